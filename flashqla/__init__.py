@@ -1,0 +1,5 @@
+"""flashqla: Gated DeltaNet chunked prefill for Hopper, with exact context parallelism."""
+from .ops import chunk_gated_delta_rule
+
+__version__ = "0.1.0"
+__all__ = ["chunk_gated_delta_rule", "__version__"]

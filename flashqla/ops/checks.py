@@ -1,0 +1,83 @@
+"""Input validation for chunk_gated_delta_rule: every error names the argument, before any compute."""
+from __future__ import annotations
+
+import torch
+
+# head dims every backend handles (the torch backend); kernels may support fewer and fall back
+SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
+BACKENDS = ("auto", "torch", "tilelang")
+
+
+def _require_tensor(name: str, x) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+
+
+def _require_float(name: str, x: torch.Tensor) -> None:
+    if not x.is_floating_point():
+        raise TypeError(f"{name} must be a floating-point tensor, got dtype {x.dtype}")
+
+
+def check_cu_seqlens(cu_seqlens, batch: int, seq_len: int) -> list[int]:
+    """Validates packed-sequence offsets and returns them as Python ints."""
+    _require_tensor("cu_seqlens", cu_seqlens)
+    if cu_seqlens.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"cu_seqlens must be int32 or int64, got {cu_seqlens.dtype}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+        raise ValueError(f"cu_seqlens must be 1-D with at least 2 entries, got shape {tuple(cu_seqlens.shape)}")
+    if batch != 1:
+        raise ValueError(f"cu_seqlens requires batch size 1 (packed layout), got q with batch {batch}")
+    bounds = cu_seqlens.tolist()
+    if bounds[0] != 0:
+        raise ValueError(f"cu_seqlens must start at 0, got {bounds[0]}")
+    if bounds[-1] != seq_len:
+        raise ValueError(f"cu_seqlens must end at the sequence length T={seq_len}, got {bounds[-1]}")
+    if any(b < a for a, b in zip(bounds[:-1], bounds[1:])):
+        raise ValueError("cu_seqlens must be non-decreasing")
+    return bounds
+
+
+def check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, backend) -> list[int] | None:
+    """Validates a call; returns cu_seqlens as a list of ints (or None)."""
+    for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
+        _require_tensor(name, x)
+        _require_float(name, x)
+    if q.dim() != 4:
+        raise ValueError(f"q must be [B, T, H, K], got shape {tuple(q.shape)}")
+    if k.shape != q.shape:
+        raise ValueError(f"k must have q's shape {tuple(q.shape)}, got {tuple(k.shape)}")
+    B, T, Hqk, K = q.shape
+    if v.dim() != 4 or v.shape[:2] != (B, T):
+        raise ValueError(f"v must be [B={B}, T={T}, Hv, V], got shape {tuple(v.shape)}")
+    Hv, V = v.shape[2], v.shape[3]
+    if Hv % Hqk != 0:
+        raise ValueError(f"the number of v heads ({Hv}) must be a multiple of the q/k heads ({Hqk})")
+    for name, x in (("g", g), ("beta", beta)):
+        if x.shape != (B, T, Hv):
+            raise ValueError(f"{name} must be [B, T, Hv] = {(B, T, Hv)}, got {tuple(x.shape)}")
+    if q.dtype != k.dtype or q.dtype != v.dtype:
+        raise TypeError(f"q, k and v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    for name, dim in (("K (q/k head dim)", K), ("V (v head dim)", V)):
+        if dim not in SUPPORTED_HEAD_DIMS:
+            raise ValueError(f"{name} = {dim} is not supported; supported head dims: {SUPPORTED_HEAD_DIMS}")
+    if scale is not None and not isinstance(scale, (int, float)):
+        raise TypeError(f"scale must be a Python number or None, got {type(scale).__name__}")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+
+    tensors = [("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)]
+    bounds = None
+    if cu_seqlens is not None:
+        bounds = check_cu_seqlens(cu_seqlens, B, T)
+    N = B if bounds is None else len(bounds) - 1
+    if initial_state is not None:
+        _require_tensor("initial_state", initial_state)
+        _require_float("initial_state", initial_state)
+        if initial_state.shape != (N, Hv, K, V):
+            raise ValueError(f"initial_state must be [N, Hv, K, V] = {(N, Hv, K, V)}, got {tuple(initial_state.shape)}")
+        tensors.append(("initial_state", initial_state))
+    device = q.device
+    for name, x in tensors:
+        if x.device != device:
+            raise ValueError(f"{name} is on {x.device} but q is on {device}; all tensors must share a device")
+    return bounds

@@ -1,0 +1,82 @@
+"""The public op: chunk_gated_delta_rule (FLA-compatible signature)."""
+from __future__ import annotations
+
+import torch
+
+from . import backends
+from .checks import check_inputs
+
+
+class ChunkGatedDeltaRuleFunction(torch.autograd.Function):
+    """Saves only the inputs; backward recomputes the per-chunk states (no o, no S kept)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, initial_state, scale, output_final_state, cu_seqlens, bounds, backend):
+        call = backends.Call(q, k, v, g, beta, initial_state, cu_seqlens)
+        o, final_state = backends.forward(backend, call, scale, output_final_state, bounds)
+        ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens)
+        ctx.scale, ctx.bounds, ctx.backend = scale, bounds, backend
+        return o, final_state
+
+    @staticmethod
+    def backward(ctx, do, dht):
+        q, k, v, g, beta, initial_state, cu_seqlens = ctx.saved_tensors
+        call = backends.Call(q, k, v, g, beta, initial_state, cu_seqlens)
+        dq, dk, dv, dg, dbeta, dh0 = backends.backward(ctx.backend, call, ctx.scale, ctx.bounds, do.contiguous(), dht)
+        return dq, dk, dv, dg, dbeta, dh0, None, None, None, None, None
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / sqrt(sum(x^2) + eps) over the head dim, computed in fp32 (the FLA / HF convention)."""
+    xf = x.float() if x.dtype != torch.float64 else x
+    return (xf * torch.rsqrt(xf.square().sum(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def chunk_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    use_qk_l2norm_in_kernel: bool = False,
+    *,
+    backend: str = "auto",
+    intra_cp: str | int = "auto",
+    cp_warmup: float | None = -10.0,
+    cp_context=None,
+):
+    """Gated delta rule, chunked prefill (design doc §1-2).
+
+    Args:
+        q, k: [B, T, Hqk, K]. v: [B, T, Hv, V] with Hv a multiple of Hqk (v-head h reads q/k head
+            h // (Hv // Hqk)). g: natural-log decay [B, T, Hv] (fp32 recommended). beta: [B, T, Hv].
+        scale: defaults to K ** -0.5.
+        initial_state: [N, Hv, K, V], N = B, or the number of packed sequences with cu_seqlens.
+        output_final_state: also return the state after the last token of every sequence.
+        cu_seqlens: int32/int64 offsets of packed sequences (B must be 1), from 0 to T.
+        use_qk_l2norm_in_kernel: L2-normalise q and k over the head dim first (eps 1e-6).
+        backend: "auto" (TileLang on SM90 when it can run the call, else torch), "torch", "tilelang".
+        intra_cp, cp_warmup, cp_context: intra-card / inter-card context parallelism (see flashqla.cp).
+
+    Returns:
+        o [B, T, Hv, V] in q's dtype, and the final state [N, Hv, K, V] in fp32 (or None).
+    """
+    bounds = check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, backend)
+    if intra_cp not in ("auto", "off"):
+        raise NotImplementedError(f"intra_cp={intra_cp!r}: forced intra-card CP segmentation (AutoCP) is not implemented yet")
+    if cp_context is not None:
+        raise NotImplementedError("cp_context: inter-card context parallelism is not implemented yet")
+    if scale is None:
+        scale = q.shape[-1] ** -0.5
+    if use_qk_l2norm_in_kernel:
+        q, k = l2norm(q), l2norm(k)
+    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+    call = backends.Call(q, k, v, g, beta, initial_state, cu_seqlens)
+    name = backends.choose(backend, call)
+    return ChunkGatedDeltaRuleFunction.apply(
+        q, k, v, g, beta, initial_state, float(scale), bool(output_final_state), cu_seqlens, bounds, name
+    )

@@ -1,0 +1,184 @@
+"""Pure-PyTorch chunked GDN: the CPU backend and the oracle for the TileLang kernels.
+
+Every step has the name the kernels use (design doc ../shared/design/gdn_algorithm.md, §2):
+
+    gc      chunk-local cumulative log-decay (natural log), gamma = exp(gc), gamma_last = gamma[C-1]
+    A       gate-free WY inverse (I + StrictLower(diag(beta) K K^T))^{-1}
+    Gamma   Gamma[r, s] = gamma_r / gamma_s on r >= s, 0 above the diagonal
+    Vd      V - diag(gamma) K S                    ("V delta")
+    V_new   (Gamma o A) diag(beta) Vd              (V' in the design doc)
+    O       scale (diag(gamma) Q S + (Gamma o Q K^T) V_new)
+    S       S_next = gamma_last S + K^T diag(gamma_last / gamma) V_new
+
+Tensors on the chunk grid are laid out [rows, chunks, H, C, D] (see layout.py); all arithmetic runs
+in fp32 (fp64 when an input is fp64). The state walk is the only serial part; everything local to a
+chunk is computed for all chunks at once.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .layout import ChunkGrid
+
+
+def work_dtype(*tensors: torch.Tensor) -> torch.dtype:
+    return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+
+
+def chunk_local_cumsum(g: torch.Tensor) -> torch.Tensor:
+    """[..., C] log-decays -> cumulative sums that restart at every chunk."""
+    return g.cumsum(-1)
+
+
+def wy_inverse(k: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
+    """A = (I + StrictLower(diag(beta) K K^T))^{-1}, k [..., C, K], beta [..., C] -> [..., C, C].
+
+    No gate enters A: the gated inverse is Gamma o A (design doc §2).
+    """
+    C = k.shape[-2]
+    L = torch.tril(beta.unsqueeze(-1) * (k @ k.transpose(-1, -2)), diagonal=-1)
+    eye = torch.eye(C, dtype=k.dtype, device=k.device).expand_as(L)
+    return torch.linalg.solve_triangular(eye + L, eye, upper=False, unitriangular=True)
+
+
+@dataclass
+class DecayFactors:
+    gamma: torch.Tensor  # [..., C]       exp(gc)
+    gamma_last: torch.Tensor  # [..., 1]       exp(gc[C-1])
+    to_end: torch.Tensor  # [..., C]       gamma_last / gamma
+    Gamma: torch.Tensor  # [..., C, C]    gamma_r / gamma_s on r >= s, else 0
+
+
+def decay_factors(gc: torch.Tensor) -> DecayFactors:
+    gc_last = gc[..., -1:]
+    C = gc.shape[-1]
+    lower = torch.ones(C, C, dtype=torch.bool, device=gc.device).tril()
+    # mask before exp: above the diagonal gc_r - gc_s > 0 can overflow
+    log_Gamma = (gc.unsqueeze(-1) - gc.unsqueeze(-2)).masked_fill(~lower, -torch.inf)
+    return DecayFactors(gc.exp(), gc_last.exp(), (gc_last - gc).exp(), log_Gamma.exp())
+
+
+@dataclass
+class ChunkInputs:
+    """One call's inputs on the chunk grid, in the work dtype, v-head layout [rows, chunks, Hv, C, D]."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    gc: torch.Tensor  # [rows, chunks, Hv, C]
+    beta: torch.Tensor  # [rows, chunks, Hv, C]
+    A: torch.Tensor  # [rows, chunks, Hv, C, C]
+    decay: DecayFactors
+
+
+def to_chunk_inputs(grid: ChunkGrid, q, k, v, g, beta) -> ChunkInputs:
+    """Flat [B*T, H, D] tensors -> chunk-grid tensors with q/k expanded to the v-heads (GQA)."""
+    dtype = work_dtype(q, k, v, g, beta)
+    group = v.shape[1] // q.shape[1]
+
+    def on_grid(x):  # [B*T, H, ...] -> [rows, chunks, H, C, ...]
+        return grid.gather(x.to(dtype)).movedim(3, 2)
+
+    qc = on_grid(q.repeat_interleave(group, dim=1))
+    kc = on_grid(k.repeat_interleave(group, dim=1))
+    gc = chunk_local_cumsum(on_grid(g))
+    betac = on_grid(beta)
+    return ChunkInputs(qc, kc, on_grid(v), gc, betac, wy_inverse(kc, betac), decay_factors(gc))
+
+
+def state_walk(x: ChunkInputs, S0: torch.Tensor, scale: float, with_output: bool = True):
+    """Walk the chunks in order from S0 [rows, Hv, K, V].
+
+    Returns (O or None, S_in [rows, chunks, Hv, K, V] = the state entering each chunk, S_final).
+    """
+    d = x.decay
+    Gamma_A = d.Gamma * x.A
+    Gamma_QK = d.Gamma * (x.q @ x.k.transpose(-1, -2)) if with_output else None
+    K_gamma = d.gamma.unsqueeze(-1) * x.k
+    K_to_end = d.to_end.unsqueeze(-1) * x.k
+    S = S0.to(x.q.dtype)
+    S_in, O = [], []
+    for c in range(x.q.shape[1]):
+        S_in.append(S)
+        Vd = x.v[:, c] - K_gamma[:, c] @ S
+        V_new = Gamma_A[:, c] @ (x.beta[:, c].unsqueeze(-1) * Vd)
+        if with_output:
+            O.append(scale * (d.gamma[:, c].unsqueeze(-1) * (x.q[:, c] @ S) + Gamma_QK[:, c] @ V_new))
+        S = d.gamma_last[:, c].unsqueeze(-1) * S + K_to_end[:, c].transpose(-1, -2) @ V_new
+    O = torch.stack(O, 1) if with_output else None
+    return O, torch.stack(S_in, 1), S
+
+
+def chunk_backward(x: ChunkInputs, S_in: torch.Tensor, dO: torch.Tensor, dS_final: torch.Tensor, scale: float):
+    """Gradients of the chunked forward.
+
+    The serial part is the reverse walk of dS (the gradient of the state leaving each chunk):
+        dV_new = (Gamma o QK^T)^T dOs + K_to_end dS_next
+        dVd    = diag(beta) (Gamma o A)^T dV_new
+        dS     = gamma_last dS_next + (gamma Q)^T dOs - (gamma K)^T dVd
+    with dOs = scale dO. The rest is local to each chunk and computed for all chunks at once.
+    Returns dq, dk, dv, dgc, dbeta on the grid (v-head layout) and dS0.
+    """
+    d = x.decay
+    dOs = scale * dO
+    QK = x.q @ x.k.transpose(-1, -2)
+    P = d.Gamma * QK
+    Gamma_A = d.Gamma * x.A
+    K_gamma = d.gamma.unsqueeze(-1) * x.k
+    Q_gamma = d.gamma.unsqueeze(-1) * x.q
+    K_to_end = d.to_end.unsqueeze(-1) * x.k
+    betau = x.beta.unsqueeze(-1)
+
+    # forward quantities that depend on the state entering each chunk
+    Vd = x.v - K_gamma @ S_in
+    V_new = Gamma_A @ (betau * Vd)
+
+    chunks = x.q.shape[1]
+    dS = dS_final.to(x.q.dtype)
+    dS_out, dV_new, dVd = [None] * chunks, [None] * chunks, [None] * chunks
+    for c in reversed(range(chunks)):
+        dS_out[c] = dS
+        dV_new[c] = P[:, c].transpose(-1, -2) @ dOs[:, c] + K_to_end[:, c] @ dS
+        dVd[c] = betau[:, c] * (Gamma_A[:, c].transpose(-1, -2) @ dV_new[c])
+        dS = (d.gamma_last[:, c].unsqueeze(-1) * dS + Q_gamma[:, c].transpose(-1, -2) @ dOs[:, c]
+              - K_gamma[:, c].transpose(-1, -2) @ dVd[c])
+    dS0 = dS
+    dS_out, dV_new, dVd = torch.stack(dS_out, 1), torch.stack(dV_new, 1), torch.stack(dVd, 1)
+
+    # O = scale (diag(gamma) Q S + P V_new)
+    QS_gamma = Q_gamma @ S_in
+    dP = dOs @ V_new.transpose(-1, -2)
+    dP_Gamma = dP * d.Gamma
+    dq = d.gamma.unsqueeze(-1) * (dOs @ S_in.transpose(-1, -2)) + dP_Gamma @ x.k
+    dk = dP_Gamma.transpose(-1, -2) @ x.q
+    E_P = dP * P
+    dgc = (dOs * QS_gamma).sum(-1) + E_P.sum(-1) - E_P.sum(-2)
+
+    # S_next = gamma_last S + K_to_end^T V_new
+    V_dS = V_new @ dS_out.transpose(-1, -2)  # gradient of K_to_end
+    dk = dk + d.to_end.unsqueeze(-1) * V_dS
+    F = d.to_end * (x.k * V_dS).sum(-1)
+    dgc = dgc - F
+    dgc[..., -1] += F.sum(-1) + d.gamma_last.squeeze(-1) * (S_in * dS_out).sum((-1, -2))
+
+    # V_new = (Gamma o A) diag(beta) Vd
+    dGamma_A = dV_new @ (betau * Vd).transpose(-1, -2)
+    dX = Gamma_A.transpose(-1, -2) @ dV_new  # so that dVd = diag(beta) dX
+    dbeta = (dX * Vd).sum(-1)
+    E_A = dGamma_A * Gamma_A
+    dgc = dgc + E_A.sum(-1) - E_A.sum(-2)
+    dA = dGamma_A * d.Gamma
+    # A = (I + L)^{-1}, L = StrictLower(diag(beta) K K^T):  dL = StrictLower(-A^T dA A^T)
+    dL = torch.tril(-(x.A.transpose(-1, -2) @ dA @ x.A.transpose(-1, -2)), diagonal=-1)
+    dbeta = dbeta + (dL * (x.k @ x.k.transpose(-1, -2))).sum(-1)
+    G = betau * dL
+    dk = dk + (G + G.transpose(-1, -2)) @ x.k
+
+    # Vd = V - diag(gamma) K S
+    dVd_S = dVd @ S_in.transpose(-1, -2)
+    dk = dk - d.gamma.unsqueeze(-1) * dVd_S
+    dgc = dgc - (K_gamma * dVd_S).sum(-1)
+    dv = dVd
+    return dq, dk, dv, dgc, dbeta, dS0

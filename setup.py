@@ -1,0 +1,28 @@
+"""flashqla: fused TileLang GDN kernels for Hopper, exact context parallelism, framework adapters.
+
+`kernels/` is shipped as the subpackage `flashqla.kernels` (a top-level `kernels` module would clash
+with an unrelated PyPI project).
+"""
+from setuptools import find_packages, setup
+
+packages = find_packages(include=["flashqla", "flashqla.*"])
+kernel_packages = ["flashqla.kernels" + p[len("kernels"):] for p in find_packages(include=["kernels", "kernels.*"])]
+
+setup(
+    name="flashqla",
+    version="0.1.0",
+    description="Gated DeltaNet chunked prefill: TileLang SM90 kernels, reference backend, context parallelism",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=packages + kernel_packages,
+    package_dir={"flashqla.kernels": "kernels"},
+    install_requires=["torch>=2.4"],
+    extras_require={
+        "test": ["pytest>=7", "numpy"],
+        "tilelang": ["tilelang==0.1.15"],
+        "megatron": ["megatron-core>=0.19,<0.20"],
+        "deepspeed": ["deepspeed>=0.19,<0.20"],
+        "hf": ["transformers>=4.57"],
+    },
+)
