@@ -1,0 +1,58 @@
+"""Causal depthwise short convolution over packed sequences (the torch reference path).
+
+Every sequence n of a pack is convolved as if it were preceded by its own `W - 1` rows `prefix[n]`
+(zeros for a fresh sequence, the conv state when continuing, the neighbour rank's halo under
+sequence parallelism), so no window ever reads a token of another sequence.
+
+Layout: tokens are rows, channels are columns ([T, C]); prefixes are [N, W - 1, C].
+A fused GPU conv can replace `causal_conv1d` without changing its contract.
+"""
+import torch
+import torch.nn.functional as F
+
+
+def _segment_index(cu_seqlens: torch.Tensor, width: int):
+    """Where prefixes and tokens land in the "extended" pack [prefix_0, seq_0, prefix_1, seq_1, ...].
+
+    Returns (order, token_row, tail_rows): `extended = cat([prefixes.flatten(0, 1), tokens])[order]`,
+    token t sits at extended row `token_row[t]`, and `tail_rows[n]` are the last W - 1 rows of
+    sequence n's segment (its prefix included).
+    """
+    halo = width - 1
+    device = cu_seqlens.device
+    starts, lengths = cu_seqlens[:-1].long(), (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+    num_seqs, total = lengths.numel(), int(cu_seqlens[-1])
+    seq_of_token = torch.repeat_interleave(torch.arange(num_seqs, device=device), lengths)
+    token_row = torch.arange(total, device=device) + (seq_of_token + 1) * halo
+    seg_start = starts + torch.arange(num_seqs, device=device) * halo
+    offsets = torch.arange(halo, device=device)
+    prefix_rows = (seg_start[:, None] + offsets).reshape(-1)
+    tail_rows = (seg_start + lengths)[:, None] + offsets
+    order = torch.empty(total + num_seqs * halo, dtype=torch.long, device=device)
+    order[prefix_rows] = torch.arange(num_seqs * halo, device=device)
+    order[token_row] = torch.arange(total, device=device) + num_seqs * halo
+    return order, token_row, tail_rows
+
+
+def causal_conv1d(x, weight, cu_seqlens, prefix=None, silu=True):
+    """y[t] = act(sum_j weight[:, j] * ext[t - (W - 1) + j]), where ext is x's sequence after its prefix.
+
+    x: [T, C] packed tokens; weight: [C, W] (the `nn.Conv1d` depthwise weight squeezed);
+    cu_seqlens: int [N + 1] with cu_seqlens[-1] == T; prefix: [N, W - 1, C] or None (zeros).
+    Returns (y [T, C] in x's dtype, new_prefix [N, W - 1, C]): new_prefix holds the last W - 1 rows
+    of each sequence counting its prefix, i.e. the conv state after this call. Accumulates in fp32.
+    """
+    C = x.shape[1]
+    width = weight.shape[1]
+    if prefix is None:
+        prefix = x.new_zeros(cu_seqlens.numel() - 1, width - 1, C)
+    order, token_row, tail_rows = _segment_index(cu_seqlens, width)
+    extended = torch.cat([prefix.reshape(-1, C).to(x.dtype), x])[order]
+    acc_dtype = torch.promote_types(x.dtype, torch.float32)
+    w = weight.to(acc_dtype)
+    first = token_row - (width - 1)  # the window of token t is extended[first[t] .. token_row[t]]
+    acc = extended[first].to(acc_dtype) * w[:, 0]
+    for j in range(1, width):
+        acc = acc + extended[first + j].to(acc_dtype) * w[:, j]
+    y = F.silu(acc) if silu else acc
+    return y.to(x.dtype), extended[tail_rows]
