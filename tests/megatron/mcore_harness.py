@@ -1,0 +1,103 @@
+"""Shared set-up for the Megatron tests: CPU + gloo process groups, a tiny GDN config, module builders,
+and a launcher for multi-rank jobs (each rank a subprocess running mcore_worker.py)."""
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+os.environ.setdefault("TORCH_COMPILE_DISABLE", "1")  # Megatron's jit_fuser is torch.compile (~46 s cold)
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from flashqla.megatron.cpu_shim import install_cpu_shim
+
+install_cpu_shim()
+
+from megatron.core import parallel_state  # noqa: E402
+from megatron.core.process_groups_config import ProcessGroupCollection  # noqa: E402
+from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed  # noqa: E402
+from megatron.core.transformer import TransformerConfig  # noqa: E402
+from megatron.core.transformer.spec_utils import build_module  # noqa: E402
+
+from flashqla.megatron import get_local_gdn_module_spec  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_parallel(tp: int = 1, cp: int = 1, seed: int = 1234) -> None:
+    """Join (or start, for a single process) the gloo world and set Megatron's TP/CP groups."""
+    if not dist.is_initialized():
+        rank = int(os.environ.get("RANK", 0))
+        world = int(os.environ.get("WORLD_SIZE", 1))
+        port = int(os.environ.get("MASTER_PORT", 0)) or free_port()
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, context_parallel_size=cp)
+    model_parallel_cuda_manual_seed(seed)
+
+
+def gdn_config(tp: int = 1, cp: int = 1, **overrides) -> TransformerConfig:
+    """Two k-heads, four v-heads (GQA 2:4) of dim 16: the smallest shape that still splits over TP 2
+    or CP 2 and exercises the grouped-head mapping."""
+    fields = dict(
+        num_layers=1,
+        hidden_size=32,
+        num_attention_heads=4,
+        ffn_hidden_size=64,
+        tensor_model_parallel_size=tp,
+        context_parallel_size=cp,
+        experimental_attention_variant="gated_delta_net",
+        linear_attention_freq=1,
+        linear_conv_kernel_dim=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        normalization="RMSNorm",
+        layernorm_epsilon=1e-6,
+        activation_func=F.silu,
+        gated_linear_unit=True,
+        add_bias_linear=False,
+        use_cpu_initialization=True,
+        params_dtype=torch.float32,
+        transformer_impl="local",
+    )
+    fields.update(overrides)
+    return TransformerConfig(**fields)
+
+
+def build_flashqla_gdn(config: TransformerConfig, **gdn_params):
+    spec = get_local_gdn_module_spec(config, **{"kernel_backend": "torch", **gdn_params})
+    return build_module(spec, config=config, layer_number=1, pg_collection=ProcessGroupCollection.use_mpu_process_groups())
+
+
+def run_ranks(scenario: str, world_size: int, workdir: Path, timeout: float = 150.0) -> None:
+    """Run `mcore_worker.py scenario workdir` on `world_size` gloo ranks; fail on error or timeout."""
+    port = free_port()
+    procs = []
+    for rank in range(world_size):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+        log = open(workdir / f"rank{rank}.log", "w")
+        procs.append(subprocess.Popen(
+            [sys.executable, str(HERE / "mcore_worker.py"), scenario, str(workdir)],
+            env=env, stdout=log, stderr=subprocess.STDOUT, cwd=HERE,
+        ))
+    try:
+        for proc in procs:
+            proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        for proc in procs:
+            proc.kill()
+        raise AssertionError(f"{scenario} on {world_size} ranks timed out after {timeout} s; logs in {workdir}")
+    for rank, proc in enumerate(procs):
+        if proc.returncode != 0:
+            raise AssertionError(f"{scenario} rank {rank} failed:\n{(workdir / f'rank{rank}.log').read_text()[-4000:]}")
