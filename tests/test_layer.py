@@ -3,6 +3,7 @@
 HF's pure-torch path is the oracle: it ignores cu_seqlens, so packed inputs are compared with HF run
 on each sequence separately (field_notes §5, "Oracle traps").
 """
+import copy
 import importlib.util
 from types import SimpleNamespace
 
@@ -78,6 +79,21 @@ def run_with_grads(module, x, probe, **kwargs):
     out = module(x, **kwargs)
     (out * probe).sum().backward()
     return out.detach(), grads(module, x)
+
+
+def test_bf16_layer_is_as_close_to_fp32_as_hf_bf16_is():
+    hf, ours = randomized_pair(tiny_config())
+    torch.manual_seed(8)
+    x, probe = torch.randn(2, 70, HIDDEN), torch.randn(2, 70, HIDDEN)
+    truth_out, truth_grads = run_with_grads(ours, x, probe)
+    hf_out, hf_grads = run_with_grads(copy.deepcopy(hf).bfloat16(), x.bfloat16(), probe.bfloat16())
+    out, our_grads = run_with_grads(copy.deepcopy(ours).bfloat16(), x.bfloat16(), probe.bfloat16())
+    assert out.dtype == torch.bfloat16
+    pairs = {"output": (truth_out, hf_out, out)}
+    pairs.update({f"d{n}": (truth_grads[n], hf_grads[n], our_grads[n]) for n in truth_grads})
+    for name, (truth, hf_value, value) in pairs.items():
+        hf_err, err = rel_err(truth.double(), hf_value.double()), rel_err(truth.double(), value.double())
+        assert err <= 2 * hf_err, f"{name}: bf16 error {err:.3e} vs HF's {hf_err:.3e}"
 
 
 def test_parameter_names_shapes_and_state_dict_match_hf_both_ways():
