@@ -1,0 +1,30 @@
+"""TileLang SM90 (Hopper) forward kernels for GDN chunked prefill.
+
+Dispatch contract (flashqla/ops/backends.py):
+    unsupported_reason(q, k, v, g, beta, initial_state, cu_seqlens) -> str | None
+    chunk_gdn_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens) -> (o, ht | None)
+
+Two launches per forward: `wy_inverse` (A diag(beta) and the chunk-local cumsum of g, per chunk and
+v-head) then `fused_fwd` (the whole state walk per sequence, v-head and V tile). Nothing here imports
+tilelang or touches CUDA at import time; kernels compile on first use (or load from TileLang's cache).
+"""
+from __future__ import annotations
+
+import torch
+
+from .launch import HEAD_DIM, block_v_for, chunk_gdn_fwd
+
+__all__ = ["unsupported_reason", "chunk_gdn_fwd", "block_v_for"]
+
+_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def unsupported_reason(q, k, v, g, beta, initial_state, cu_seqlens) -> str | None:
+    """None when these kernels can run the call, else why not (inputs are already validated)."""
+    if q.dtype not in _DTYPES:
+        return f"q/k/v dtype {q.dtype} is not supported by the TileLang kernels (bf16 or fp16 only)"
+    if q.shape[-1] != HEAD_DIM or v.shape[-1] != HEAD_DIM:
+        return f"the TileLang kernels need K = V = {HEAD_DIM}, got K = {q.shape[-1]}, V = {v.shape[-1]}"
+    if beta.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return f"beta dtype {beta.dtype} is not supported by the TileLang kernels"
+    return None

@@ -1,0 +1,152 @@
+"""Fused GDN forward: one CTA per (V tile, sequence, v-head) walks the chunks of its sequence.
+
+Per 64-token chunk, with the state S [128 x block_v] kept in fp32 fragments (design doc §2):
+
+    KS = K S,  QS = Q S,  P = Q K^T                                    (tensor cores, bf16/fp16 in, fp32 out)
+    Vd = V - diag(gamma) KS                                            ("V delta")
+    V' = (Gamma o Ab) Vd            with Ab = A diag(beta) from wy_inverse
+    O  = scale * (diag(gamma) QS + (Lower(Gamma) o P) V')
+    S  = gamma_last S + K^T diag(gamma_last / gamma) V'
+
+Only O and the final state leave the kernel. g is natural log: the chunk-local cumsum `gcum` from
+wy_inverse is multiplied by log2(e) once when it is loaded, and every decay is then exp2 of a difference
+of those base-2 cumulative gates (each difference is <= 0, so no factor exceeds 1).
+
+Rows past the end of a sequence: K rows load as zero (they cannot touch S), gcum rows repeat the last
+valid row (so gamma_last is the gate at the last token and no exp2 argument is positive), Q/V/Ab rows are
+read from a clamped, valid address, and O rows are not stored.
+
+Schedule (256 threads = two warpgroups, both consumers; one serial loop over chunks):
+  | step | work                                                               | unit          |
+  | 1    | load Q, K (k-head h // group), V tile, Ab, gcum of the chunk        | LSU -> smem   |
+  | 2    | KS = K S, QS = Q S, P = Q K^T                                       | WGMMA         |
+  | 3    | W = Lower(Gamma) o Ab, Vd = V - gamma KS, Pm = Lower(Gamma) o P     | CUDA cores    |
+  | 4    | V' = W Vd                                                           | WGMMA         |
+  | 5    | O = gamma QS + Pm V'  (accumulated onto QS), scaled, stored         | WGMMA, LSU    |
+  | 6    | S = gamma_last S + K^T (gamma_last / gamma) V';  S -> smem (bf16)    | WGMMA         |
+The warp-specialised producer/consumer version (TMA + mbarriers) is future work; this one is the
+correctness baseline.
+"""
+import tilelang
+import tilelang.language as T
+
+CHUNK = 64
+HEAD_DIM = 128
+LOG2E = 1.4426950408889634
+
+
+def build_fused_fwd(dtype: str, block_v: int, threads: int = 256):
+    """Build the prim_func for q/k/v dtype `dtype` and V tile width `block_v`; all sizes are dynamic.
+
+    `scale` and the two flags are runtime arguments, so new values never recompile. States are passed
+    flattened to [N * Hv, 128, 128]; a [1, 128, 128] dummy stands in when a flag is 0.
+    """
+    if HEAD_DIM % block_v:
+        raise ValueError(f"block_v must divide {HEAD_DIM}, got {block_v}")
+    num_tokens = T.dynamic("num_tokens")
+    num_qk_heads = T.dynamic("num_qk_heads")
+    num_v_heads = T.dynamic("num_v_heads")
+    num_seqs = T.dynamic("num_seqs")
+    num_h0 = T.dynamic("num_h0")
+    num_ht = T.dynamic("num_ht")
+    C, D, BV = CHUNK, HEAD_DIM, block_v
+
+    @T.prim_func
+    def fused_fwd(
+        q: T.Tensor((num_tokens, num_qk_heads, D), dtype),
+        k: T.Tensor((num_tokens, num_qk_heads, D), dtype),
+        v: T.Tensor((num_tokens, num_v_heads, D), dtype),
+        Ab: T.Tensor((num_tokens, num_v_heads, C), dtype),
+        gcum: T.Tensor((num_tokens, num_v_heads), "float32"),
+        cu_seqlens: T.Tensor((num_seqs + 1,), "int32"),
+        h0: T.Tensor((num_h0, D, D), "float32"),
+        o: T.Tensor((num_tokens, num_v_heads, D), dtype),
+        ht: T.Tensor((num_ht, D, D), "float32"),
+        scale: T.float32,
+        use_h0: T.int32,
+        store_ht: T.int32,
+    ):
+        with T.Kernel(D // BV, num_seqs, num_v_heads, threads=threads) as (bv, n, h):
+            hk = h // (num_v_heads // num_qk_heads)
+            v0 = bv * BV
+            state_row = n * num_v_heads + h
+            bos = cu_seqlens[n]
+            eos = cu_seqlens[n + 1]
+
+            Q_sh = T.alloc_shared((C, D), dtype)
+            K_sh = T.alloc_shared((C, D), dtype)
+            V_sh = T.alloc_shared((C, BV), dtype)
+            Ab_sh = T.alloc_shared((C, C), dtype)
+            gc_sh = T.alloc_shared((C,), "float32")
+            S_sh = T.alloc_shared((D, BV), dtype)
+            W_sh = T.alloc_shared((C, C), dtype)
+            P_sh = T.alloc_shared((C, C), dtype)
+            Vd_sh = T.alloc_shared((C, BV), dtype)
+            Vn_sh = T.alloc_shared((C, BV), dtype)
+            Vs_sh = T.alloc_shared((C, BV), dtype)
+
+            S = T.alloc_fragment((D, BV), "float32")
+            KS = T.alloc_fragment((C, BV), "float32")
+            O = T.alloc_fragment((C, BV), "float32")
+            P = T.alloc_fragment((C, C), "float32")
+            Vn = T.alloc_fragment((C, BV), "float32")
+
+            if use_h0 != 0:
+                T.copy(h0[state_row, 0:D, v0:v0 + BV], S)
+            else:
+                T.clear(S)
+            T.copy(S, S_sh)
+
+            for c in T.serial(T.ceildiv(eos - bos, C)):
+                t0 = bos + c * C
+                n_rows = T.min(C, eos - t0)
+                last = n_rows - 1
+
+                # 1. loads (clamped rows past the sequence end; zero keys there)
+                for r, d in T.Parallel(C, D):
+                    Q_sh[r, d] = q[t0 + T.min(r, last), hk, d]
+                    K_sh[r, d] = T.if_then_else(r < n_rows, k[t0 + T.min(r, last), hk, d], T.cast(0, dtype))
+                for r, j in T.Parallel(C, BV):
+                    V_sh[r, j] = v[t0 + T.min(r, last), h, v0 + j]
+                for r, s in T.Parallel(C, C):
+                    Ab_sh[r, s] = Ab[t0 + T.min(r, last), h, s]
+                for r in T.Parallel(C):
+                    gc_sh[r] = gcum[t0 + T.min(r, last), h] * LOG2E
+
+                # 2. products with the incoming state, and the intra-chunk scores
+                T.gemm(K_sh, S_sh, KS, clear_accum=True)
+                T.gemm(Q_sh, S_sh, O, clear_accum=True)
+                T.gemm(Q_sh, K_sh, P, transpose_B=True, clear_accum=True)
+
+                # 3. gate masks and V delta
+                for r, s in T.Parallel(C, C):
+                    W_sh[r, s] = T.if_then_else(
+                        r >= s, Ab_sh[r, s] * T.exp2(gc_sh[r] - gc_sh[s]), T.cast(0, dtype))
+                    P_sh[r, s] = T.if_then_else(r >= s, P[r, s] * T.exp2(gc_sh[r] - gc_sh[s]), 0.0)
+                for r, j in T.Parallel(C, BV):
+                    Vd_sh[r, j] = V_sh[r, j] - T.exp2(gc_sh[r]) * KS[r, j]
+
+                # 4. V' = (Gamma o Ab) Vd
+                T.gemm(W_sh, Vd_sh, Vn, clear_accum=True)
+                for r, j in T.Parallel(C, BV):
+                    Vn_sh[r, j] = Vn[r, j]
+                    Vs_sh[r, j] = Vn[r, j] * T.exp2(gc_sh[C - 1] - gc_sh[r])
+
+                # 5. O = scale (gamma QS + Pm V')
+                for r, j in T.Parallel(C, BV):
+                    O[r, j] = O[r, j] * T.exp2(gc_sh[r])
+                T.gemm(P_sh, Vn_sh, O)
+                for r, j in T.Parallel(C, BV):
+                    if r < n_rows:
+                        o[t0 + r, h, v0 + j] = O[r, j] * scale
+
+                # 6. state update
+                for i, j in T.Parallel(D, BV):
+                    S[i, j] = S[i, j] * T.exp2(gc_sh[C - 1])
+                T.gemm(K_sh, Vs_sh, S, transpose_A=True)
+                T.copy(S, S_sh)
+
+            if store_ht != 0:
+                T.copy(S, ht[state_row, 0:D, v0:v0 + BV])
+
+    return fused_fwd

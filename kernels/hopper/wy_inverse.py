@@ -1,0 +1,142 @@
+"""Per-chunk gate-free WY inverse and chunk-local cumulative gate (design doc §2).
+
+For every 64-token chunk of every packed sequence and every v-head h (reading k-head h // (Hv/Hqk)):
+
+    Ab   = (I + StrictLower(diag(beta) K K^T))^{-1} diag(beta)        [64 x 64], stored in the input dtype
+    gcum = cumsum_{t <= r} g_t                                         [64], fp32, natural log
+
+diag(beta) is folded into the columns of A here because the forward only ever uses A diag(beta), and
+the gate factor Gamma commutes with that column scaling (Gamma o (A diag(beta)) = (Gamma o A) diag(beta)).
+No exp is computed: g stays natural log here; the fused forward converts it to base 2.
+
+Chunks never straddle sequences. CTA c of the grid finds its sequence by binary search in
+`chunk_offsets` (exclusive prefix sum of chunks per sequence); CTAs past the last chunk and rows past the
+end of a sequence write nothing. Rows past the end are loaded as zero keys, so they cannot reach the rows
+that exist (A is lower triangular).
+
+Schedule (one warpgroup, 128 threads, per (chunk, v-head)):
+  1. load K rows (zero beyond the sequence end), beta, g; cumsum g in shared memory and store gcum;
+  2. K K^T on tensor cores (fp32 accumulate), L = StrictLower(diag(beta) K K^T) to fp32 shared memory;
+  3. invert the four 16x16 diagonal blocks of I + L by fp32 forward substitution (CUDA cores);
+  4. merge 16 -> 32: X21 = -D1^{-1} L21 D0^{-1} for both 32-blocks (CUDA cores, fp32);
+  5. merge 32 -> 64: X21 = -P1^{-1} L21 P0^{-1} with two 32x32x32 tensor-core GEMMs (fp32 operands, TF32);
+  6. scale columns by beta, store the rows that exist.
+"""
+import tilelang
+import tilelang.language as T
+
+CHUNK = 64
+HEAD_DIM = 128
+SEARCH_STEPS = 31  # binary search depth over sequences: enough for any int32 count
+
+
+def build_wy_inverse(dtype: str):
+    """Build the prim_func for q/k/v dtype `dtype` ("bfloat16" or "float16"); all sizes are dynamic."""
+    num_tokens = T.dynamic("num_tokens")
+    num_qk_heads = T.dynamic("num_qk_heads")
+    num_v_heads = T.dynamic("num_v_heads")
+    num_seqs = T.dynamic("num_seqs")
+    C, D = CHUNK, HEAD_DIM
+
+    @T.prim_func
+    def wy_inverse(
+        k: T.Tensor((num_tokens, num_qk_heads, D), dtype),
+        beta: T.Tensor((num_tokens, num_v_heads), "float32"),
+        g: T.Tensor((num_tokens, num_v_heads), "float32"),
+        cu_seqlens: T.Tensor((num_seqs + 1,), "int32"),
+        chunk_offsets: T.Tensor((num_seqs + 1,), "int32"),
+        Ab: T.Tensor((num_tokens, num_v_heads, C), dtype),
+        gcum: T.Tensor((num_tokens, num_v_heads), "float32"),
+        num_chunk_slots: T.int32,
+    ):
+        with T.Kernel(num_chunk_slots, num_v_heads, threads=128) as (chunk, h):
+            hk = h // (num_v_heads // num_qk_heads)
+
+            K_sh = T.alloc_shared((C, D), dtype)
+            beta_sh = T.alloc_shared((C,), "float32")
+            g_sh = T.alloc_shared((C,), "float32")
+            KKt = T.alloc_fragment((C, C), "float32")
+            L_sh = T.alloc_shared((C, C), "float32")
+            X_sh = T.alloc_shared((C, C), "float32")
+            acc16 = T.alloc_fragment((4, 16), "float32")
+            tmp16 = T.alloc_fragment((2, 16, 16), "float32")
+            tmp16_sh = T.alloc_shared((2, 16, 16), "float32")
+            X11_sh = T.alloc_shared((32, 32), "float32")
+            X22_sh = T.alloc_shared((32, 32), "float32")
+            L21_sh = T.alloc_shared((32, 32), "float32")
+            tmp32 = T.alloc_fragment((32, 32), "float32")
+            tmp32_sh = T.alloc_shared((32, 32), "float32")
+            out32 = T.alloc_fragment((32, 32), "float32")
+
+            # --- which sequence and chunk this CTA owns -------------------------------------------
+            lo = T.alloc_var("int32")
+            hi = T.alloc_var("int32")
+            lo = 0
+            hi = num_seqs - 1
+            for _ in T.serial(SEARCH_STEPS):
+                mid = (lo + hi + 1) // 2
+                if chunk_offsets[mid] <= chunk:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            start = cu_seqlens[lo] + (chunk - chunk_offsets[lo]) * C
+            # rows of this chunk inside the sequence (0 for CTAs past the last chunk)
+            n_rows = T.if_then_else(chunk < chunk_offsets[num_seqs], T.min(C, cu_seqlens[lo + 1] - start), 0)
+            last = T.max(n_rows - 1, 0)
+
+            # --- loads -----------------------------------------------------------------------------
+            for r, d in T.Parallel(C, D):
+                K_sh[r, d] = T.if_then_else(r < n_rows, k[start + T.min(r, last), hk, d], T.cast(0, dtype))
+            for r in T.Parallel(C):
+                beta_sh[r] = T.if_then_else(r < n_rows, beta[start + T.min(r, last), h], 0.0)
+                g_sh[r] = T.if_then_else(r < n_rows, g[start + T.min(r, last), h], 0.0)
+            T.cumsum(src=g_sh, dst=g_sh, dim=0)
+            for r in T.Parallel(C):
+                if r < n_rows:
+                    gcum[start + r, h] = g_sh[r]
+
+            # --- L = StrictLower(diag(beta) K K^T) -------------------------------------------------
+            T.gemm(K_sh, K_sh, KKt, transpose_B=True, clear_accum=True)
+            for r, s in T.Parallel(C, C):
+                L_sh[r, s] = T.if_then_else(r > s, beta_sh[r] * KKt[r, s], 0.0)
+                X_sh[r, s] = T.if_then_else(r == s, 1.0, 0.0)
+
+            # --- 16x16 diagonal blocks: X_bb = (I + L_bb)^{-1}, row i = e_i - sum_{j<i} L_ij X_j ----
+            for i in T.serial(1, 16):
+                T.clear(acc16)
+                for j in T.serial(i):
+                    for b, c in T.Parallel(4, 16):
+                        acc16[b, c] += L_sh[b * 16 + i, b * 16 + j] * X_sh[b * 16 + j, b * 16 + c]
+                for b, c in T.Parallel(4, 16):
+                    X_sh[b * 16 + i, b * 16 + c] = X_sh[b * 16 + i, b * 16 + c] - acc16[b, c]
+
+            # --- merge 16 -> 32 in both halves p: X21 = -X22 (L21 X11) ------------------------------
+            T.clear(tmp16)
+            for j in T.serial(16):
+                for p, r, c in T.Parallel(2, 16, 16):
+                    tmp16[p, r, c] += L_sh[p * 32 + 16 + r, p * 32 + j] * X_sh[p * 32 + j, p * 32 + c]
+            T.copy(tmp16, tmp16_sh)
+            T.clear(tmp16)
+            for j in T.serial(16):
+                for p, r, c in T.Parallel(2, 16, 16):
+                    tmp16[p, r, c] += X_sh[p * 32 + 16 + r, p * 32 + 16 + j] * tmp16_sh[p, j, c]
+            for p, r, c in T.Parallel(2, 16, 16):
+                X_sh[p * 32 + 16 + r, p * 32 + c] = -tmp16[p, r, c]
+
+            # --- merge 32 -> 64: X21 = -X22 (L21 X11), tensor cores (TF32) --------------------------
+            for r, c in T.Parallel(32, 32):
+                X11_sh[r, c] = X_sh[r, c]
+                X22_sh[r, c] = X_sh[32 + r, 32 + c]
+                L21_sh[r, c] = L_sh[32 + r, c]
+            T.gemm(L21_sh, X11_sh, tmp32, clear_accum=True)
+            T.copy(tmp32, tmp32_sh)
+            T.gemm(X22_sh, tmp32_sh, out32, clear_accum=True)
+            for r, c in T.Parallel(32, 32):
+                X_sh[32 + r, c] = -out32[r, c]
+
+            # --- Ab = X diag(beta), rows that exist --------------------------------------------------
+            for r, s in T.Parallel(C, C):
+                if r < n_rows:
+                    Ab[start + r, h, s] = T.cast(X_sh[r, s] * beta_sh[s], dtype)
+
+    return wy_inverse

@@ -1,0 +1,51 @@
+"""Every TileLang kernel configuration dispatch can choose lowers and compiles for sm_90a with nvcc.
+
+No GPU needed: a kernel that fails to lower or assemble fails here, on the CPU CI machine. Skips when
+tilelang or nvcc is not installed. Set TILELANG_CACHE_DIR to reuse the compiled kernels on a GPU.
+"""
+import shutil
+
+import pytest
+
+tilelang = pytest.importorskip("tilelang")
+pytestmark = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on PATH")
+
+from flashqla.kernels.hopper import launch  # noqa: E402
+
+CONFIGS = list(launch.kernel_configs())
+
+
+@pytest.mark.parametrize("builder,args", CONFIGS, ids=[f"{b.__name__}{a}" for b, a in CONFIGS])
+def test_kernel_compiles_for_sm90a(builder, args):
+    kernel = builder(*args)
+    source = kernel.get_kernel_source()
+    assert "wgmma" in source, "the tensor-core products must lower to Hopper WGMMA"
+
+
+def test_dispatch_only_chooses_compiled_tile_widths():
+    chosen = {launch.block_v_for(n, hv, sm_count=132) for n in (1, 2, 4, 8, 64) for hv in (1, 8, 16, 24, 32, 64)}
+    assert chosen <= set(launch.BLOCK_V_CHOICES)
+    assert launch.block_v_for(1, 8, sm_count=132) == 32  # TP8 single sequence: as many CTAs as possible
+    assert launch.block_v_for(8, 64, sm_count=132) == 128
+
+
+def test_scale_and_sizes_are_runtime_arguments():
+    from flashqla.kernels.hopper.fused_fwd import build_fused_fwd
+
+    func = build_fused_fwd("bfloat16", 64)
+    scalars = {p.name: str(p.dtype) for p in func.params if p not in func.buffer_map}
+    assert scalars.get("scale") == "float32"
+    buffers = {b.name: b for b in func.buffer_map.values()}
+    tokens, heads, head_dim = buffers["q"].shape
+    assert not isinstance(tokens, tilelang.tvm.tirx.IntImm) and not isinstance(heads, tilelang.tvm.tirx.IntImm)
+    assert int(head_dim) == 128
+
+
+def test_importing_the_kernels_package_does_not_import_tilelang_kernels():
+    import subprocess
+    import sys
+
+    code = ("import sys, flashqla.kernels.hopper as h; "
+            "assert 'flashqla.kernels.hopper.fused_fwd' not in sys.modules; "
+            "assert 'tilelang' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True)
