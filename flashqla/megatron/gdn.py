@@ -11,8 +11,9 @@ CP all-to-all helpers. It changes three things:
   natively, the same mapping Megatron's repeat produces) and no separate L2 norm pass: the kernel
   normalises q and k itself (`use_qk_l2norm_in_kernel`, eps 1e-6, FLA's convention), which on GPU
   saves two memory passes over q and k and keeps only the inverse norms for backward;
-* the causal conv: `flashqla.megatron.conv` instead of FLA's Triton conv, so the module builds and
-  runs without FLA installed and handles packed sequences on any device.
+* the causal conv: flashqla's per-sequence conv (`flashqla.layers.conv`) instead of FLA's Triton
+  conv, so the module builds and runs without FLA installed and handles packed sequences on any
+  device (Megatron's deterministic-mode `F.conv1d` cannot see `cu_seqlens`).
 
 Context parallelism: `cp_mode="head_a2a"` is Megatron's scheme (all-to-all from sequence shards to
 head shards around the kernel, CP size bound by the head count). `cp_mode="state_passing"` is where
@@ -37,7 +38,7 @@ from megatron.core.ssm.gated_delta_net.common import (
 from megatron.core.ssm.gated_delta_net.gdn import GatedDeltaNet as MegatronGatedDeltaNet
 
 import flashqla
-from flashqla.megatron.conv import causal_depthwise_conv1d
+from flashqla.layers.conv import causal_conv1d
 
 CP_MODES = ("head_a2a", "state_passing")
 
@@ -198,7 +199,13 @@ class GatedDeltaNet(MegatronGatedDeltaNet):
         bias = None
         if self.conv_bias:
             bias = get_parameter_local_cp(self.conv1d.bias, dim=0, cp_group=self.pg_collection.cp, split_sections=sections)
-        return self.act_fn(causal_depthwise_conv1d(qkv, weight, bias, cu_seqlens))
+        B, T, C = qkv.shape
+        if cu_seqlens is None:  # padded batch: every row is its own sequence of T tokens
+            cu_seqlens = torch.arange(0, (B + 1) * T, T, device=qkv.device, dtype=torch.int32)
+        out, _ = causal_conv1d(qkv.reshape(B * T, C), weight.squeeze(1), cu_seqlens, silu=False)
+        if bias is not None:
+            out = out + bias
+        return self.act_fn(out.reshape(B, T, C))
 
     def _state_passing_cp_context(self, cu_seqlens, seq_len):
         """Plug point for flashqla's inter-card CP (S0 state passing instead of head all-to-all).
@@ -206,7 +213,8 @@ class GatedDeltaNet(MegatronGatedDeltaNet):
         To wire it: build `flashqla.cp.build_cp_context(cu_seqlens_global, group=self.pg_collection.cp,
         layout="zigzag", conv1d_kernel_size=self.conv_kernel_dim)` (Megatron feeds the load-balanced
         order, packed or not; cu_seqlens_global is `cu_seqlens`, or [0, seq_len] per batch row),
-        give `_causal_conv` the context's conv halo, skip the output all-to-all in
+        give `_causal_conv` the previous rank's W-1 rows as `prefix` (`flashqla.layers.halo.
+        exchange_conv_halo`), pass the context to the kernel, skip the output all-to-all in
         `_gated_norm_and_a2a`, and stop slicing conv1d / A_log / dt_bias by CP rank.
         """
         raise NotImplementedError(
