@@ -218,6 +218,24 @@ def test_prefill_then_continue_equals_one_pass_on_packed_and_padded_inputs():
         assert_close(f"padded sequence {n}", ref, torch.cat([out1[n, m1[n]], out2[n, m2[n]]]))
 
 
+def test_fully_padded_rows_output_zeros_and_leave_their_state_unchanged():
+    _, ours = randomized_pair(tiny_config())
+    torch.manual_seed(9)
+    state = GatedDeltaNetState()
+    ours(torch.randn(2, 6, HIDDEN), state=state)
+    before = GatedDeltaNetState(state.conv_state.clone(), state.recurrent_state.clone())
+
+    mask = torch.tensor([[1, 1, 1], [0, 0, 0]])
+    out = ours(torch.randn(2, 3, HIDDEN), attention_mask=mask, state=state)
+    assert out[1].abs().max() == 0
+    assert torch.equal(state.conv_state[1], before.conv_state[1])
+    assert torch.equal(state.recurrent_state[1], before.recurrent_state[1])
+    assert not torch.equal(state.recurrent_state[0], before.recurrent_state[0])
+
+    out = ours(torch.randn(2, 3, HIDDEN), attention_mask=torch.zeros(2, 3, dtype=torch.bool), state=state)
+    assert out.abs().max() == 0 and torch.equal(state.recurrent_state[1], before.recurrent_state[1])
+
+
 def test_plain_constructor_equals_from_config():
     config = tiny_config()
     a = GatedDeltaNet.from_config(config)

@@ -40,19 +40,18 @@ def causal_conv1d(x, weight, cu_seqlens, prefix=None, silu=True):
     x: [T, C] packed tokens; weight: [C, W] (the `nn.Conv1d` depthwise weight squeezed);
     cu_seqlens: int [N + 1] with cu_seqlens[-1] == T; prefix: [N, W - 1, C] or None (zeros).
     Returns (y [T, C] in x's dtype, new_prefix [N, W - 1, C]): new_prefix holds the last W - 1 rows
-    of each sequence counting its prefix, i.e. the conv state after this call. Accumulates in fp32.
+    of each sequence counting its prefix, i.e. the conv state after this call.
     """
-    C = x.shape[1]
+    T, C = x.shape
     width = weight.shape[1]
     if prefix is None:
         prefix = x.new_zeros(cu_seqlens.numel() - 1, width - 1, C)
     order, token_row, tail_rows = _segment_index(cu_seqlens, width)
     extended = torch.cat([prefix.reshape(-1, C).to(x.dtype), x])[order]
-    acc_dtype = torch.promote_types(x.dtype, torch.float32)
-    w = weight.to(acc_dtype)
-    first = token_row - (width - 1)  # the window of token t is extended[first[t] .. token_row[t]]
-    acc = extended[first].to(acc_dtype) * w[:, 0]
-    for j in range(1, width):
-        acc = acc + extended[first + j].to(acc_dtype) * w[:, j]
-    y = F.silu(acc) if silu else acc
-    return y.to(x.dtype), extended[tail_rows]
+    if T == 0:
+        return x.new_zeros(0, C), extended[tail_rows]
+    # one unpadded depthwise conv over the whole extended pack: output column i is the window that
+    # ends at extended row i + W - 1; windows that straddle two segments are computed and dropped
+    windows = F.conv1d(extended.T[None], weight[:, None, :].to(x.dtype), groups=C)[0]
+    y = windows[:, token_row - (width - 1)].T
+    return (F.silu(y) if silu else y), extended[tail_rows]

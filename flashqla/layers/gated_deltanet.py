@@ -122,6 +122,8 @@ class GatedDeltaNet(nn.Module):
 
     def _mix(self, x, cu_seqlens, state, cp_context):
         B, T, _ = x.shape
+        if B * T == 0 and cp_context is None:  # nothing to mix (e.g. an all-padding batch): state unchanged
+            return x.new_zeros(B, T, self.hidden_size)
         qkvz, ba = self.in_proj_qkvz(x), self.in_proj_ba(x)
         q, k, v, z, b, a = self._split_projections(qkvz, ba)
         qkv = torch.cat([q.flatten(2), k.flatten(2), v.flatten(2)], dim=-1).reshape(B * T, self.conv_dim)
