@@ -117,3 +117,11 @@ def test_tilelang_backend_on_cpu_is_a_clear_error_not_a_fallback():
 def test_scale_must_be_a_number():
     with pytest.raises(TypeError, match="scale"):
         call(scale=torch.tensor(0.1))
+
+
+def test_cu_seqlens_edited_in_place_is_checked_again():
+    cu = torch.tensor([0, 4, 8], dtype=torch.int32)
+    call(cu_seqlens=cu)
+    cu[1] = 9
+    with pytest.raises(ValueError, match="non-decreasing"):
+        call(cu_seqlens=cu)

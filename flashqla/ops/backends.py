@@ -23,6 +23,7 @@ class Call:
     beta: torch.Tensor
     initial_state: torch.Tensor | None
     cu_seqlens: torch.Tensor | None
+    segmented: bool = False  # the intra-card CP plan cuts at least one sequence
 
 
 @functools.lru_cache(maxsize=None)
@@ -50,6 +51,8 @@ def tilelang_unsupported_reason(call: Call) -> str | None:
     hopper, reason = _hopper_kernels()
     if reason:
         return reason
+    if call.segmented:
+        return "intra-card CP segmentation is not in the TileLang kernels yet"
     return hopper.unsupported_reason(call.q, call.k, call.v, call.g, call.beta, call.initial_state, call.cu_seqlens)
 
 
@@ -74,16 +77,16 @@ def choose(backend: str, call: Call) -> str:
     return "torch"
 
 
-def forward(name: str, call: Call, scale: float, output_final_state: bool, bounds: list[int] | None):
+def forward(name: str, call: Call, scale: float, output_final_state: bool, plan, cp_warmup):
     c = call
     if name == "tilelang":
         hopper, _ = _hopper_kernels()
         return hopper.chunk_gdn_fwd(c.q, c.k, c.v, c.g, c.beta, scale, c.initial_state, output_final_state, c.cu_seqlens)
-    return torch_backend.forward(c.q, c.k, c.v, c.g, c.beta, scale, c.initial_state, output_final_state, bounds)
+    return torch_backend.forward(c.q, c.k, c.v, c.g, c.beta, scale, c.initial_state, output_final_state, plan, cp_warmup)
 
 
-def backward(name: str, call: Call, scale: float, bounds: list[int] | None, do, dht):
+def backward(name: str, call: Call, scale: float, plan, cp_warmup, do, dht):
     # The fused TileLang backward comes with its own issue; until then every backend differentiates
     # through the reference chunked backward, which recomputes the states from the inputs.
     c = call
-    return torch_backend.backward(c.q, c.k, c.v, c.g, c.beta, scale, c.initial_state, bounds, do, dht)
+    return torch_backend.backward(c.q, c.k, c.v, c.g, c.beta, scale, c.initial_state, plan, do, dht, cp_warmup)

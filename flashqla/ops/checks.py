@@ -1,6 +1,8 @@
 """Input validation for chunk_gated_delta_rule: every error names the argument, before any compute."""
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 # head dims every backend handles (the torch backend); kernels may support fewer and fall back
@@ -18,6 +20,20 @@ def _require_float(name: str, x: torch.Tensor) -> None:
         raise TypeError(f"{name} must be a floating-point tensor, got dtype {x.dtype}")
 
 
+# cu_seqlens already read back to the host, by tensor identity (and version, so in-place edits count):
+# a training step that reuses its offsets tensor pays the device->host copy once (CUDA-graph friendly)
+_bounds_cache: "weakref.WeakKeyDictionary[torch.Tensor, tuple[int, list[int]]]" = weakref.WeakKeyDictionary()
+
+
+def _host_bounds(cu_seqlens: torch.Tensor) -> list[int]:
+    cached = _bounds_cache.get(cu_seqlens)
+    if cached is not None and cached[0] == cu_seqlens._version:
+        return cached[1]
+    bounds = cu_seqlens.tolist()
+    _bounds_cache[cu_seqlens] = (cu_seqlens._version, bounds)
+    return bounds
+
+
 def check_cu_seqlens(cu_seqlens, batch: int, seq_len: int) -> list[int]:
     """Validates packed-sequence offsets and returns them as Python ints."""
     _require_tensor("cu_seqlens", cu_seqlens)
@@ -27,7 +43,7 @@ def check_cu_seqlens(cu_seqlens, batch: int, seq_len: int) -> list[int]:
         raise ValueError(f"cu_seqlens must be 1-D with at least 2 entries, got shape {tuple(cu_seqlens.shape)}")
     if batch != 1:
         raise ValueError(f"cu_seqlens requires batch size 1 (packed layout), got q with batch {batch}")
-    bounds = cu_seqlens.tolist()
+    bounds = _host_bounds(cu_seqlens)
     if bounds[0] != 0:
         raise ValueError(f"cu_seqlens must start at 0, got {bounds[0]}")
     if bounds[-1] != seq_len:
@@ -81,3 +97,14 @@ def check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, backend) ->
         if x.device != device:
             raise ValueError(f"{name} is on {x.device} but q is on {device}; all tensors must share a device")
     return bounds
+
+
+def check_cp_arguments(intra_cp, cp_warmup) -> None:
+    if isinstance(intra_cp, bool) or not (intra_cp in ("auto", "off") or isinstance(intra_cp, int)):
+        raise ValueError(f"intra_cp must be 'auto', 'off' or a number of chunks per segment, got {intra_cp!r}")
+    if isinstance(intra_cp, int) and intra_cp < 1:
+        raise ValueError(f"intra_cp (chunks per segment) must be >= 1, got {intra_cp}")
+    if cp_warmup is not None and (isinstance(cp_warmup, bool) or not isinstance(cp_warmup, (int, float))):
+        raise TypeError(f"cp_warmup must be a negative number (log-decay threshold) or None, got {cp_warmup!r}")
+    if cp_warmup is not None and not cp_warmup < 0:
+        raise ValueError(f"cp_warmup must be < 0 (a log-decay threshold), got {cp_warmup}")

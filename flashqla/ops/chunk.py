@@ -3,27 +3,31 @@ from __future__ import annotations
 
 import torch
 
+from ..cp.plan import resolve_segment_chunks
 from . import backends
-from .checks import check_inputs
+from .checks import check_inputs, check_cp_arguments
+from .torch_backend import make_plan
 
 
 class ChunkGatedDeltaRuleFunction(torch.autograd.Function):
     """Saves only the inputs; backward recomputes the per-chunk states (no o, no S kept)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, g, beta, initial_state, scale, output_final_state, cu_seqlens, bounds, backend):
-        call = backends.Call(q, k, v, g, beta, initial_state, cu_seqlens)
-        o, final_state = backends.forward(backend, call, scale, output_final_state, bounds)
+    def forward(ctx, q, k, v, g, beta, initial_state, scale, output_final_state, cu_seqlens, plan, cp_warmup, backend):
+        call = backends.Call(q, k, v, g, beta, initial_state, cu_seqlens, plan.is_segmented)
+        o, final_state = backends.forward(backend, call, scale, output_final_state, plan, cp_warmup)
         ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens)
-        ctx.scale, ctx.bounds, ctx.backend = scale, bounds, backend
+        # the backward reuses this call's segmentation plan, so both directions cut the same way
+        ctx.scale, ctx.plan, ctx.cp_warmup, ctx.backend = scale, plan, cp_warmup, backend
         return o, final_state
 
     @staticmethod
     def backward(ctx, do, dht):
         q, k, v, g, beta, initial_state, cu_seqlens = ctx.saved_tensors
-        call = backends.Call(q, k, v, g, beta, initial_state, cu_seqlens)
-        dq, dk, dv, dg, dbeta, dh0 = backends.backward(ctx.backend, call, ctx.scale, ctx.bounds, do.contiguous(), dht)
-        return dq, dk, dv, dg, dbeta, dh0, None, None, None, None, None
+        call = backends.Call(q, k, v, g, beta, initial_state, cu_seqlens, ctx.plan.is_segmented)
+        dq, dk, dv, dg, dbeta, dh0 = backends.backward(ctx.backend, call, ctx.scale, ctx.plan, ctx.cp_warmup,
+                                                       do.contiguous(), dht)
+        return dq, dk, dv, dg, dbeta, dh0, None, None, None, None, None, None
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -66,8 +70,7 @@ def chunk_gated_delta_rule(
         o [B, T, Hv, V] in q's dtype, and the final state [N, Hv, K, V] in fp32 (or None).
     """
     bounds = check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, backend)
-    if intra_cp not in ("auto", "off"):
-        raise NotImplementedError(f"intra_cp={intra_cp!r}: forced intra-card CP segmentation (AutoCP) is not implemented yet")
+    check_cp_arguments(intra_cp, cp_warmup)
     if cp_context is not None:
         raise NotImplementedError("cp_context: inter-card context parallelism is not implemented yet")
     if scale is None:
@@ -75,8 +78,12 @@ def chunk_gated_delta_rule(
     if use_qk_l2norm_in_kernel:
         q, k = l2norm(q), l2norm(k)
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
-    call = backends.Call(q, k, v, g, beta, initial_state, cu_seqlens)
+    plan = make_plan(q.shape[0], q.shape[1], bounds, 0)
+    segment_chunks = resolve_segment_chunks(intra_cp, plan.lengths, v.shape[2], q.device)
+    if segment_chunks:
+        plan = make_plan(q.shape[0], q.shape[1], bounds, segment_chunks)
+    call = backends.Call(q, k, v, g, beta, initial_state, cu_seqlens, plan.is_segmented)
     name = backends.choose(backend, call)
     return ChunkGatedDeltaRuleFunction.apply(
-        q, k, v, g, beta, initial_state, float(scale), bool(output_final_state), cu_seqlens, bounds, name
+        q, k, v, g, beta, initial_state, float(scale), bool(output_final_state), cu_seqlens, plan, cp_warmup, name
     )

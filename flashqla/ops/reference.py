@@ -88,9 +88,11 @@ def to_chunk_inputs(grid: ChunkGrid, q, k, v, g, beta) -> ChunkInputs:
     return ChunkInputs(qc, kc, on_grid(v), gc, betac, wy_inverse(kc, betac), decay_factors(gc))
 
 
-def state_walk(x: ChunkInputs, S0: torch.Tensor, scale: float, with_output: bool = True):
+def state_walk(x: ChunkInputs, S0: torch.Tensor, scale: float, with_output: bool = True, restart=None):
     """Walk the chunks in order from S0 [rows, Hv, K, V].
 
+    restart [rows, chunks, Hv] (bool, optional): zero the state of that (row, head) before the chunk,
+    which is how a CP warmup restarts W chunks before a segment ends (design doc §4).
     Returns (O or None, S_in [rows, chunks, Hv, K, V] = the state entering each chunk, S_final).
     """
     d = x.decay
@@ -101,6 +103,8 @@ def state_walk(x: ChunkInputs, S0: torch.Tensor, scale: float, with_output: bool
     S = S0.to(x.q.dtype)
     S_in, O = [], []
     for c in range(x.q.shape[1]):
+        if restart is not None:
+            S = S.masked_fill(restart[:, c, :, None, None], 0.0)
         S_in.append(S)
         Vd = x.v[:, c] - K_gamma[:, c] @ S
         V_new = Gamma_A[:, c] @ (x.beta[:, c].unsqueeze(-1) * Vd)
@@ -111,50 +115,88 @@ def state_walk(x: ChunkInputs, S0: torch.Tensor, scale: float, with_output: bool
     return O, torch.stack(S_in, 1), S
 
 
-def chunk_backward(x: ChunkInputs, S_in: torch.Tensor, dO: torch.Tensor, dS_final: torch.Tensor, scale: float):
-    """Gradients of the chunked forward.
+def transition(x: ChunkInputs) -> torch.Tensor:
+    """T = gamma_last (I - K^T A diag(beta) K) per chunk [rows, chunks, Hv, K, K]: S_next = T S + R (§3)."""
+    K = x.k.shape[-1]
+    eye = torch.eye(K, dtype=x.k.dtype, device=x.k.device)
+    KtAbK = x.k.transpose(-1, -2) @ (x.A @ (x.beta.unsqueeze(-1) * x.k))
+    return x.decay.gamma_last.unsqueeze(-1) * (eye - KtAbK)
 
-    The serial part is the reverse walk of dS (the gradient of the state leaving each chunk):
-        dV_new = (Gamma o QK^T)^T dOs + K_to_end dS_next
-        dVd    = diag(beta) (Gamma o A)^T dV_new
-        dS     = gamma_last dS_next + (gamma Q)^T dOs - (gamma K)^T dVd
-    with dOs = scale dO. The rest is local to each chunk and computed for all chunks at once.
-    Returns dq, dk, dv, dgc, dbeta on the grid (v-head layout) and dS0.
-    """
+
+def transition_product(x: ChunkInputs) -> torch.Tensor:
+    """M = T_{n-1} ... T_0 over each row's chunks [rows, Hv, K, K]; empty slots are identity steps."""
+    T = transition(x)
+    M = T[:, 0]
+    for c in range(1, T.shape[1]):
+        M = T[:, c] @ M
+    return M
+
+
+@dataclass
+class BackwardTerms:
+    """Chunk-local quantities shared by the reverse walk and the local gradients."""
+
+    dOs: torch.Tensor
+    P: torch.Tensor  # Gamma o Q K^T
+    Gamma_A: torch.Tensor  # Gamma o A
+    K_gamma: torch.Tensor  # diag(gamma) K
+    Q_gamma: torch.Tensor  # diag(gamma) Q
+    K_to_end: torch.Tensor  # diag(gamma_last / gamma) K
+
+
+def backward_terms(x: ChunkInputs, dO: torch.Tensor, scale: float) -> BackwardTerms:
     d = x.decay
-    dOs = scale * dO
-    QK = x.q @ x.k.transpose(-1, -2)
-    P = d.Gamma * QK
-    Gamma_A = d.Gamma * x.A
-    K_gamma = d.gamma.unsqueeze(-1) * x.k
-    Q_gamma = d.gamma.unsqueeze(-1) * x.q
-    K_to_end = d.to_end.unsqueeze(-1) * x.k
+    return BackwardTerms(scale * dO, d.Gamma * (x.q @ x.k.transpose(-1, -2)), d.Gamma * x.A,
+                         d.gamma.unsqueeze(-1) * x.k, d.gamma.unsqueeze(-1) * x.q, d.to_end.unsqueeze(-1) * x.k)
+
+
+def reverse_walk(x: ChunkInputs, b: BackwardTerms, dS_final: torch.Tensor, restart=None):
+    """The serial part of the backward: dS (gradient of the state leaving each chunk) in reverse,
+        dV_new = (Gamma o QK^T)^T dOs + K_to_end dS_next                      (docs/algorithm.md B1)
+        dVd    = diag(beta) (Gamma o A)^T dV_new                              (B2)
+        dS     = gamma_last dS_next + (gamma Q)^T dOs - (gamma K)^T dVd       (B3)
+    restart [rows, chunks, Hv] (optional): zero dS of that (row, head) before processing the chunk
+    (the mirror of the forward warmup). Returns (dS_out, dV_new, dVd) stacked over chunks, and dS0.
+    """
     betau = x.beta.unsqueeze(-1)
-
-    # forward quantities that depend on the state entering each chunk
-    Vd = x.v - K_gamma @ S_in
-    V_new = Gamma_A @ (betau * Vd)
-
     chunks = x.q.shape[1]
     dS = dS_final.to(x.q.dtype)
     dS_out, dV_new, dVd = [None] * chunks, [None] * chunks, [None] * chunks
     for c in reversed(range(chunks)):
+        if restart is not None:
+            dS = dS.masked_fill(restart[:, c, :, None, None], 0.0)
         dS_out[c] = dS
-        dV_new[c] = P[:, c].transpose(-1, -2) @ dOs[:, c] + K_to_end[:, c] @ dS
-        dVd[c] = betau[:, c] * (Gamma_A[:, c].transpose(-1, -2) @ dV_new[c])
-        dS = (d.gamma_last[:, c].unsqueeze(-1) * dS + Q_gamma[:, c].transpose(-1, -2) @ dOs[:, c]
-              - K_gamma[:, c].transpose(-1, -2) @ dVd[c])
-    dS0 = dS
-    dS_out, dV_new, dVd = torch.stack(dS_out, 1), torch.stack(dV_new, 1), torch.stack(dVd, 1)
+        dV_new[c] = b.P[:, c].transpose(-1, -2) @ b.dOs[:, c] + b.K_to_end[:, c] @ dS
+        dVd[c] = betau[:, c] * (b.Gamma_A[:, c].transpose(-1, -2) @ dV_new[c])
+        dS = (x.decay.gamma_last[:, c].unsqueeze(-1) * dS + b.Q_gamma[:, c].transpose(-1, -2) @ b.dOs[:, c]
+              - b.K_gamma[:, c].transpose(-1, -2) @ dVd[c])
+    return torch.stack(dS_out, 1), torch.stack(dV_new, 1), torch.stack(dVd, 1), dS
+
+
+def chunk_backward(x: ChunkInputs, S_in: torch.Tensor, dO: torch.Tensor, dS_final: torch.Tensor, scale: float,
+                   b: BackwardTerms | None = None):
+    """Gradients of the chunked forward (docs/algorithm.md, "Chunked backward").
+
+    The reverse walk of dS is serial; the rest is local to each chunk and computed for all chunks at
+    once. Returns dq, dk, dv, dgc, dbeta on the grid (v-head layout) and dS0.
+    """
+    d = x.decay
+    b = backward_terms(x, dO, scale) if b is None else b
+    dS_out, dV_new, dVd, dS0 = reverse_walk(x, b, dS_final)
+    betau = x.beta.unsqueeze(-1)
+    dOs, P, Gamma_A = b.dOs, b.P, b.Gamma_A
+
+    # forward quantities that depend on the state entering each chunk
+    Vd = x.v - b.K_gamma @ S_in
+    V_new = Gamma_A @ (betau * Vd)
 
     # O = scale (diag(gamma) Q S + P V_new)
-    QS_gamma = Q_gamma @ S_in
     dP = dOs @ V_new.transpose(-1, -2)
     dP_Gamma = dP * d.Gamma
     dq = d.gamma.unsqueeze(-1) * (dOs @ S_in.transpose(-1, -2)) + dP_Gamma @ x.k
     dk = dP_Gamma.transpose(-1, -2) @ x.q
     E_P = dP * P
-    dgc = (dOs * QS_gamma).sum(-1) + E_P.sum(-1) - E_P.sum(-2)
+    dgc = (dOs * (b.Q_gamma @ S_in)).sum(-1) + E_P.sum(-1) - E_P.sum(-2)
 
     # S_next = gamma_last S + K_to_end^T V_new
     V_dS = V_new @ dS_out.transpose(-1, -2)  # gradient of K_to_end
@@ -179,6 +221,5 @@ def chunk_backward(x: ChunkInputs, S_in: torch.Tensor, dO: torch.Tensor, dS_fina
     # Vd = V - diag(gamma) K S
     dVd_S = dVd @ S_in.transpose(-1, -2)
     dk = dk - d.gamma.unsqueeze(-1) * dVd_S
-    dgc = dgc - (K_gamma * dVd_S).sum(-1)
-    dv = dVd
-    return dq, dk, dv, dgc, dbeta, dS0
+    dgc = dgc - (b.K_gamma * dVd_S).sum(-1)
+    return dq, dk, dVd, dgc, dbeta, dS0

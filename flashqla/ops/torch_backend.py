@@ -1,14 +1,21 @@
-"""The "torch" backend: runs the reference algebra (reference.py) on the chunk grid (layout.py)."""
+"""The "torch" backend: runs the reference algebra (reference.py) on the chunk grid (layout.py).
+
+Rows of the grid are the segments of an intra-card CP plan (flashqla/cp/plan.py); with CP off every
+sequence is one row.
+"""
 from __future__ import annotations
 
 import torch
 
+from ..cp import intra
+from ..cp.plan import SegmentPlan, plan_segments
 from . import reference
 from .layout import ChunkGrid, runs_from_lengths, sequence_bounds
 
 
-def sequence_grid(batch: int, seq_len: int, cu_seqlens: list[int] | None) -> ChunkGrid:
-    return runs_from_lengths(*sequence_bounds(batch, seq_len, cu_seqlens), batch * seq_len)
+def make_plan(batch: int, seq_len: int, cu_seqlens: list[int] | None, segment_chunks: int) -> SegmentPlan:
+    starts, lengths = sequence_bounds(batch, seq_len, cu_seqlens)
+    return plan_segments(tuple(starts), tuple(lengths), segment_chunks)
 
 
 def _flat(x: torch.Tensor) -> torch.Tensor:
@@ -21,43 +28,68 @@ def _from_grid(grid: ChunkGrid, xc: torch.Tensor, batch: int) -> torch.Tensor:
     return x.reshape((batch, -1) + x.shape[1:])
 
 
-def _initial_state(initial_state, rows, v, K, dtype):
-    if initial_state is not None:
-        return initial_state.to(dtype)
-    return torch.zeros(rows, v.shape[2], K, v.shape[3], dtype=dtype, device=v.device)
+class _Prepared:
+    """Grid, chunk inputs and per-sequence initial states of one call."""
+
+    def __init__(self, q, k, v, g, beta, initial_state, plan: SegmentPlan):
+        self.plan = plan
+        self.grid = runs_from_lengths(plan.starts, plan.lengths, q.shape[0] * q.shape[1])
+        self.x = reference.to_chunk_inputs(self.grid, _flat(q), _flat(k), _flat(v), _flat(g), _flat(beta))
+        dtype = self.x.q.dtype
+        sequences = len(plan.first_rows)
+        Hv, K, V = v.shape[2], q.shape[3], v.shape[3]
+        self.S0_sequences = (initial_state.to(dtype) if initial_state is not None
+                             else torch.zeros(sequences, Hv, K, V, dtype=dtype, device=q.device))
+
+    def segment_states(self, cp_warmup, for_backward: bool):
+        """(S0 per row, M, backward warmup plan) following the plan; no CP: the sequences' own states."""
+        if not self.plan.is_segmented:
+            return self.S0_sequences, None, None
+        fwd, bwd = intra.warmup_plans(self.plan, self.x.gc, cp_warmup)
+        S0, M = intra.segment_initial_states(self.x, self.plan, fwd, bwd if for_backward else None, self.S0_sequences)
+        return S0, M, bwd
 
 
-def forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens):
-    grid = sequence_grid(q.shape[0], q.shape[1], cu_seqlens)
-    x = reference.to_chunk_inputs(grid, _flat(q), _flat(k), _flat(v), _flat(g), _flat(beta))
-    S0 = _initial_state(initial_state, grid.rows, v, q.shape[-1], x.q.dtype)
-    O, _, S_final = reference.state_walk(x, S0, scale)
-    o = _from_grid(grid, O, q.shape[0]).to(q.dtype)
-    final_state = S_final.to(torch.promote_types(x.q.dtype, torch.float32)) if output_final_state else None
+def forward(q, k, v, g, beta, scale, initial_state, output_final_state, plan: SegmentPlan, cp_warmup=-10.0):
+    p = _Prepared(q, k, v, g, beta, initial_state, plan)
+    S0, _, _ = p.segment_states(cp_warmup, for_backward=False)
+    O, _, S_final = reference.state_walk(p.x, S0, scale)
+    o = _from_grid(p.grid, O, q.shape[0]).to(q.dtype)
+    final_state = None
+    if output_final_state:
+        last = torch.tensor(plan.last_rows, device=q.device)
+        final_state = S_final[last].to(torch.promote_types(p.x.q.dtype, torch.float32))
     return o, final_state
 
 
-def backward(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht):
+def backward(q, k, v, g, beta, scale, initial_state, plan: SegmentPlan, do, dht, cp_warmup=-10.0):
     """Gradients (dq, dk, dv, dg, dbeta, dh0) in the dtypes of (q, k, v, g, beta, initial_state)."""
-    grid = sequence_grid(q.shape[0], q.shape[1], cu_seqlens)
-    x = reference.to_chunk_inputs(grid, _flat(q), _flat(k), _flat(v), _flat(g), _flat(beta))
-    S0 = _initial_state(initial_state, grid.rows, v, q.shape[-1], x.q.dtype)
+    p = _Prepared(q, k, v, g, beta, initial_state, plan)
+    x = p.x
+    S0, M, bwd = p.segment_states(cp_warmup, for_backward=True)
     _, S_in, _ = reference.state_walk(x, S0, scale, with_output=False)
-    dO = grid.gather(_flat(do).to(x.q.dtype)).movedim(3, 2)
-    dS_final = dht if dht is not None else torch.zeros_like(S0)
-    dq, dk, dv, dgc, dbeta, dS0 = reference.chunk_backward(x, S_in, dO, dS_final, scale)
+    dO = p.grid.gather(_flat(do).to(x.q.dtype)).movedim(3, 2)
+    b = reference.backward_terms(x, dO, scale)
+    dS_sequences = dht.to(x.q.dtype) if dht is not None else torch.zeros_like(p.S0_sequences)
+    if plan.is_segmented:
+        dS_final = intra.segment_final_gradients(x, b, plan, bwd, M, dS_sequences)
+    else:
+        dS_final = dS_sequences
+    dq, dk, dv, dgc, dbeta, dS0 = reference.chunk_backward(x, S_in, dO, dS_final, scale, b)
     # gc = cumsum(g) inside each chunk, so dg is the reverse cumsum of dgc
     dg = dgc.flip(-1).cumsum(-1).flip(-1)
 
     B, Hqk = q.shape[0], q.shape[2]
 
     def to_qk_heads(dx):  # sum, in the work dtype, the GQA group of v-heads that read each q/k head
-        dx = _from_grid(grid, dx, B)
+        dx = _from_grid(p.grid, dx, B)
         return dx.reshape(dx.shape[:2] + (Hqk, -1) + dx.shape[3:]).sum(3)
 
     dq, dk = to_qk_heads(dq).to(q.dtype), to_qk_heads(dk).to(k.dtype)
-    dv = _from_grid(grid, dv, B).to(v.dtype)
-    dg = _from_grid(grid, dg.unsqueeze(-1), B).reshape(g.shape).to(g.dtype)
-    dbeta = _from_grid(grid, dbeta.unsqueeze(-1), B).reshape(beta.shape).to(beta.dtype)
-    dh0 = dS0.to(initial_state.dtype) if initial_state is not None else None
+    dv = _from_grid(p.grid, dv, B).to(v.dtype)
+    dg = _from_grid(p.grid, dg.unsqueeze(-1), B).reshape(g.shape).to(g.dtype)
+    dbeta = _from_grid(p.grid, dbeta.unsqueeze(-1), B).reshape(beta.shape).to(beta.dtype)
+    dh0 = None
+    if initial_state is not None:
+        dh0 = dS0[torch.tensor(plan.first_rows, device=q.device)].to(initial_state.dtype)
     return dq, dk, dv, dg, dbeta, dh0

@@ -1,0 +1,84 @@
+"""Intra-card AutoCP planning: whether to cut long sequences into segments, and how long (design doc §4).
+
+Planning reads only sequence lengths (host integers from cu_seqlens, cached by tensor identity in
+flashqla.ops.checks), never device data, so a training step with a fixed pack can be graph-captured.
+"""
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+from ..ops.layout import CHUNK
+
+
+@dataclass(frozen=True)
+class SegmentPlan:
+    """Rows of the chunk grid: each sequence cut into consecutive segments of `segment_chunks` chunks.
+
+    Segment j of a sequence starts from the state the sequence has after segment j-1; segments of one
+    sequence are consecutive rows, the last one possibly shorter.
+    """
+
+    segment_chunks: int  # L; 0 means "not cut" (one row per sequence)
+    starts: tuple[int, ...]  # first token of each row in the flat stream
+    lengths: tuple[int, ...]  # tokens in each row
+    sequence: tuple[int, ...]  # the sequence each row belongs to
+    position: tuple[int, ...]  # index of the row within its sequence (0 = first segment)
+
+    @property
+    def is_segmented(self) -> bool:
+        return any(p > 0 for p in self.position)
+
+    @property
+    def first_rows(self) -> tuple[int, ...]:
+        return tuple(r for r, p in enumerate(self.position) if p == 0)
+
+    @property
+    def last_rows(self) -> tuple[int, ...]:
+        n = len(self.position)
+        return tuple(r for r in range(n) if r + 1 == n or self.position[r + 1] == 0)
+
+
+@functools.lru_cache(maxsize=256)
+def plan_segments(starts: tuple[int, ...], lengths: tuple[int, ...], segment_chunks: int) -> SegmentPlan:
+    """Cuts every sequence longer than segment_chunks chunks (segment_chunks = 0: cut nothing)."""
+    rows = ([], [], [], [])
+    for seq, (start, length) in enumerate(zip(starts, lengths)):
+        step = segment_chunks * CHUNK if segment_chunks > 0 else max(length, 1)
+        offsets = range(0, max(length, 1), step)
+        for pos, off in enumerate(offsets):
+            for col, value in zip(rows, (start + off, min(step, length - off), seq, pos)):
+                col.append(value)
+    return SegmentPlan(segment_chunks, *(tuple(col) for col in rows))
+
+
+def auto_segment_chunks(lengths: tuple[int, ...], heads: int, sm_count: int) -> int:
+    """The published H200 rule (design doc §4), a starting point until our own calibration sweep.
+
+    CP pays only when batch x heads cannot fill the GPU: effective batch Be = total chunks / longest
+    sequence's chunks; enable when Be*H <= 40, or Be*H <= 56 with >= 128 chunks (8K tokens).
+    Then L = 2^round(log2(3 sqrt(H * total_chunks / #SM))), at least 4 chunks. Returns 0 for "off".
+    """
+    chunks = [math.ceil(n / CHUNK) for n in lengths if n > 0]
+    if not chunks:
+        return 0
+    total, longest = sum(chunks), max(chunks)
+    load = total / longest * heads
+    if not (load <= 40 or (load <= 56 and longest >= 128)):
+        return 0
+    L = max(4, 2 ** round(math.log2(3 * math.sqrt(heads * total / sm_count))))
+    return L if longest > L else 0
+
+
+def resolve_segment_chunks(intra_cp, lengths: tuple[int, ...], heads: int, device) -> int:
+    """intra_cp = "off" | "auto" | int (forced segment length in chunks) -> L (0 = not cut)."""
+    if intra_cp == "off":
+        return 0
+    if intra_cp == "auto":
+        if device.type != "cuda":  # the CPU reference gains nothing from more parallel rows
+            return 0
+        import torch
+
+        return auto_segment_chunks(lengths, heads, torch.cuda.get_device_properties(device).multi_processor_count)
+    return int(intra_cp)

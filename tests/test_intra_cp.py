@@ -1,0 +1,116 @@
+"""Intra-card CP (segments) on the torch backend: exact mode, warmup mode, planning."""
+import pytest
+import torch
+
+import flashqla
+from flashqla.cp import auto_segment_chunks, plan_segments
+from gdn_inputs import make_inputs, random_cu_seqlens, rel_err
+
+NAMES = ("o", "final_state", "dq", "dk", "dv", "dg", "dbeta", "dh0")
+
+
+def outputs_and_grads(args, cu, **kw):
+    o, ht = flashqla.chunk_gated_delta_rule(**args, output_final_state=True, cu_seqlens=cu, backend="torch", **kw)
+    gen = torch.Generator().manual_seed(3)
+    do = torch.randn(o.shape, generator=gen, dtype=o.dtype)
+    dht = torch.randn(ht.shape, generator=gen, dtype=ht.dtype)
+    grads = torch.autograd.grad((o * do).sum() + (ht * dht).sum(), list(args.values()))
+    return dict(zip(NAMES, [o, ht, *grads]))
+
+
+@pytest.mark.parametrize("segment_chunks", [1, 2, 3])
+def test_forced_segments_in_exact_mode_equal_unsegmented_with_straddling_varlen(segment_chunks):
+    lengths = [300, 1, 200, 64, 129, 65]  # sequences cross segment boundaries, L need not divide them
+    cu = random_cu_seqlens(lengths)
+    args = make_inputs(1, sum(lengths), 2, 4, 16, 32, num_seqs=len(lengths), with_h0=True, zero_heads=(0,),
+                       strong_heads=(3,), seed=segment_chunks)
+    base = outputs_and_grads(args, cu, intra_cp="off")
+    seg = outputs_and_grads(args, cu, intra_cp=segment_chunks, cp_warmup=None)
+    errors = {n: rel_err(seg[n], base[n]) for n in NAMES}
+    assert max(errors.values()) <= 1e-5, errors
+
+
+def test_batched_rows_are_segmented_too():
+    args = make_inputs(2, 200, 1, 2, 16, 16, with_h0=True, seed=4)
+    base = outputs_and_grads(args, None, intra_cp="off")
+    seg = outputs_and_grads(args, None, intra_cp=1, cp_warmup=None)
+    assert max(rel_err(seg[n], base[n]) for n in NAMES) <= 1e-5
+
+
+def moderate_decay_inputs(seed):
+    """Head 0: g = 0 (never warms up); head 1: g = -0.05 per token (-3.2 per chunk: a 4-chunk warmup)."""
+    args = make_inputs(1, 64 * 24, 1, 2, 16, 16, dtype=torch.float64, with_h0=True, zero_heads=(0,), seed=seed,
+                       requires_grad=False)
+    args["g"][..., 1] = -0.05
+    for x in args.values():
+        x.requires_grad_(True)
+    return args
+
+
+def head(name, x, h):
+    """The slice of output / gradient `name` that belongs to v-head h."""
+    if name in ("o", "dv"):
+        return x[:, :, h]
+    if name in ("dg", "dbeta"):
+        return x[..., h]
+    return x[:, h]  # final_state, dh0: [N, Hv, K, V]
+
+
+def test_warmup_is_used_on_decaying_heads_within_1e4_and_exact_on_no_decay_heads():
+    args = moderate_decay_inputs(seed=8)
+    base = outputs_and_grads(args, None, intra_cp="off")
+    warm = outputs_and_grads(args, None, intra_cp=8, cp_warmup=-10.0)
+    per_head = {n: [rel_err(head(n, warm[n], h), head(n, base[n], h)) for h in (0, 1)]
+                for n in ("o", "final_state", "dv", "dg", "dbeta", "dh0")}
+    for name, (no_decay, decaying) in per_head.items():
+        assert no_decay <= 1e-12, (name, per_head)  # g = 0: the exact M chain, float64 rounding only
+        assert decaying <= 1e-4, (name, per_head)
+    # the warmup really replaced the chain on the decaying head: it leaves a (tiny) approximation error
+    assert per_head["o"][1] > 1e-12, per_head
+
+
+def test_warmup_none_means_exact_everywhere():
+    args = moderate_decay_inputs(seed=9)
+    base = outputs_and_grads(args, None, intra_cp="off")
+    exact = outputs_and_grads(args, None, intra_cp=8, cp_warmup=None)
+    assert max(rel_err(exact[n], base[n]) for n in NAMES) <= 1e-12
+
+
+def test_plan_cuts_only_long_sequences_into_consecutive_rows():
+    plan = plan_segments((0, 130, 131), (130, 1, 400), 2)
+    assert plan.lengths == (128, 2, 1, 128, 128, 128, 16)
+    assert plan.sequence == (0, 0, 1, 2, 2, 2, 2)
+    assert plan.position == (0, 1, 0, 0, 1, 2, 3)
+    assert plan.first_rows == (0, 2, 3) and plan.last_rows == (1, 2, 6)
+
+
+@pytest.mark.parametrize("heads,expected", [(8, 16), (32, 32), (64, 0)])
+def test_auto_rule_for_one_32k_sequence_on_132_sms(heads, expected):
+    # published H200 figures: H 8 -> L 16, H 32 -> L 32; H 64 fills the GPU without CP
+    assert auto_segment_chunks((32768,), heads, 132) == expected
+
+
+def test_auto_rule_stays_off_when_batch_fills_the_gpu():
+    assert auto_segment_chunks((8192,) * 4, 16, 132) == 0
+    assert auto_segment_chunks((200,), 2, 132) == 0  # 4 chunks: not longer than the minimum segment
+
+
+def test_auto_is_off_on_cpu():
+    args = make_inputs(1, 64 * 40, 1, 1, 16, 16, requires_grad=False)
+    o_auto, _ = flashqla.chunk_gated_delta_rule(**args)
+    o_off, _ = flashqla.chunk_gated_delta_rule(**args, intra_cp="off")
+    assert torch.equal(o_auto, o_off)
+
+
+@pytest.mark.parametrize("value,error", [("on", ValueError), (0, ValueError), (True, ValueError)])
+def test_bad_intra_cp(value, error):
+    args = make_inputs(1, 8, 1, 1, 16, 16, requires_grad=False)
+    with pytest.raises(error, match="intra_cp"):
+        flashqla.chunk_gated_delta_rule(**args, intra_cp=value)
+
+
+@pytest.mark.parametrize("value,error", [(5.0, ValueError), ("x", TypeError)])
+def test_bad_cp_warmup(value, error):
+    args = make_inputs(1, 8, 1, 1, 16, 16, requires_grad=False)
+    with pytest.raises(error, match="cp_warmup"):
+        flashqla.chunk_gated_delta_rule(**args, cp_warmup=value)
