@@ -22,15 +22,17 @@ def _require_float(name: str, x: torch.Tensor) -> None:
 
 # cu_seqlens already read back to the host, by tensor identity (and version, so in-place edits count):
 # a training step that reuses its offsets tensor pays the device->host copy once (CUDA-graph friendly)
-_bounds_cache: "weakref.WeakKeyDictionary[torch.Tensor, tuple[int, list[int]]]" = weakref.WeakKeyDictionary()
+_bounds_cache: dict[int, tuple[weakref.ref, int, list[int]]] = {}
 
 
 def _host_bounds(cu_seqlens: torch.Tensor) -> list[int]:
-    cached = _bounds_cache.get(cu_seqlens)
-    if cached is not None and cached[0] == cu_seqlens._version:
-        return cached[1]
+    cached = _bounds_cache.get(id(cu_seqlens))
+    if cached is not None and cached[0]() is cu_seqlens and cached[1] == cu_seqlens._version:
+        return cached[2]
     bounds = cu_seqlens.tolist()
-    _bounds_cache[cu_seqlens] = (cu_seqlens._version, bounds)
+    key = id(cu_seqlens)
+    _bounds_cache[key] = (weakref.ref(cu_seqlens, lambda _, key=key: _bounds_cache.pop(key, None)),
+                          cu_seqlens._version, bounds)
     return bounds
 
 
