@@ -79,6 +79,7 @@ def get_flashqla_gpt_block_spec(
             f"got {config.experimental_attention_variant!r}"
         )
     if config.transformer_impl == "transformer_engine":
+        _require_transformer_engine("Megatron's GPT block spec for GDN layers")
         from megatron.core.models.gpt.experimental_attention_variant_module_specs import (
             get_transformer_block_with_experimental_attention_variant_spec,
         )
@@ -99,17 +100,21 @@ def get_flashqla_gpt_block_spec(
 
 def get_flashqla_hybrid_stack_spec(**gdn_params) -> ModuleSpec:
     """Megatron's hybrid stack spec (GDN layers = pattern symbol `G`) with flashqla's GDN."""
+    _require_transformer_engine("Megatron's hybrid stack spec (its final norm is always TENorm)")
+    from megatron.core.models.hybrid.hybrid_layer_specs import hybrid_stack_spec
+
+    return to_flashqla_spec(hybrid_stack_spec, **gdn_params)
+
+
+def _require_transformer_engine(what: str) -> None:
     from megatron.core.extensions.transformer_engine import HAVE_TE
 
     if not HAVE_TE:
         raise ImportError(
-            "Megatron's hybrid stack spec is built from Transformer Engine layers (its final norm is "
-            "always TENorm); install transformer-engine, or use get_flashqla_gpt_block_spec with "
-            "transformer_impl='local'"
+            f"{what} is built from Transformer Engine layers, and transformer-engine is not installed; "
+            "install it, or use get_flashqla_gpt_block_spec with transformer_impl='local' "
+            "(--transformer-impl local)"
         )
-    from megatron.core.models.hybrid.hybrid_layer_specs import hybrid_stack_spec
-
-    return to_flashqla_spec(hybrid_stack_spec, **gdn_params)
 
 
 def _local_layer_specs(config, gdn_params) -> list:
