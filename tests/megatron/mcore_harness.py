@@ -1,9 +1,9 @@
 """Shared set-up for the Megatron tests: CPU + gloo process groups, a tiny GDN config, module builders,
 and a launcher for multi-rank jobs (each rank a subprocess running mcore_worker.py)."""
 import os
-import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 os.environ.setdefault("TORCH_COMPILE_DISABLE", "1")  # Megatron's jit_fuser is torch.compile (~46 s cold)
@@ -27,19 +27,15 @@ from flashqla.megatron import get_local_gdn_module_spec  # noqa: E402
 HERE = Path(__file__).resolve().parent
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def init_parallel(tp: int = 1, cp: int = 1, seed: int = 1234) -> None:
-    """Join (or start, for a single process) the gloo world and set Megatron's TP/CP groups."""
+    """Join (or start, for a single process) the gloo world and set Megatron's TP/CP groups.
+
+    Ranks meet through a file (no fixed or pre-picked TCP port another job on the machine could take)."""
     if not dist.is_initialized():
         rank = int(os.environ.get("RANK", 0))
         world = int(os.environ.get("WORLD_SIZE", 1))
-        port = int(os.environ.get("MASTER_PORT", 0)) or free_port()
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        rendezvous = os.environ.get("MCORE_TEST_RENDEZVOUS") or tempfile.mktemp(prefix="mcore_rendezvous_")
+        dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world)
     parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, context_parallel_size=cp)
     model_parallel_cuda_manual_seed(seed)
@@ -82,10 +78,12 @@ def build_flashqla_gdn(config: TransformerConfig, **gdn_params):
 
 def run_ranks(scenario: str, world_size: int, workdir: Path, timeout: float = 150.0) -> None:
     """Run `mcore_worker.py scenario workdir` on `world_size` gloo ranks; fail on error or timeout."""
-    port = free_port()
     procs = []
     for rank in range(world_size):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+        env = dict(
+            os.environ, RANK=str(rank), WORLD_SIZE=str(world_size), OMP_NUM_THREADS="1",
+            MCORE_TEST_RENDEZVOUS=str(workdir / "rendezvous"),
+        )
         log = open(workdir / f"rank{rank}.log", "w")
         procs.append(subprocess.Popen(
             [sys.executable, str(HERE / "mcore_worker.py"), scenario, str(workdir)],
