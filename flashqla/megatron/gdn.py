@@ -211,11 +211,12 @@ class GatedDeltaNet(MegatronGatedDeltaNet):
         """Plug point for flashqla's inter-card CP (S0 state passing instead of head all-to-all).
 
         To wire it: build `flashqla.cp.build_cp_context(cu_seqlens_global, group=self.pg_collection.cp,
-        layout="zigzag", conv1d_kernel_size=self.conv_kernel_dim)` (Megatron feeds the load-balanced
-        order, packed or not; cu_seqlens_global is `cu_seqlens`, or [0, seq_len] per batch row),
-        give `_causal_conv` the previous rank's W-1 rows as `prefix` (`flashqla.layers.halo.
-        exchange_conv_halo`), pass the context to the kernel, skip the output all-to-all in
-        `_gated_norm_and_a2a`, and stop slicing conv1d / A_log / dt_bias by CP rank.
+        layout=..., conv1d_kernel_size=self.conv_kernel_dim)`, give `_causal_conv` the previous
+        piece's W-1 rows as `prefix` (`flashqla.layers.halo`), pass the context to the kernel, skip
+        the output all-to-all in `_gated_norm_and_a2a`, and stop slicing conv1d / A_log / dt_bias by
+        CP rank. Layout: Megatron load-balances each sequence on its own (rank r holds chunks r and
+        2cp-1-r of every sequence, sbhd batch rows and THD sequences alike); that equals a
+        stream-level zigzag only for one sequence (sbhd with batch 1, or THD with one sequence).
         """
         raise NotImplementedError(
             "cp_mode='state_passing' needs flashqla's inter-card CP (flashqla.cp.build_cp_context), "
