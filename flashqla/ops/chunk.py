@@ -69,10 +69,11 @@ def chunk_gated_delta_rule(
     Returns:
         o [B, T, Hv, V] in q's dtype, and the final state [N, Hv, K, V] in fp32 (or None).
     """
+    if cp_context is not None:
+        return _with_cp_context(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
+                                use_qk_l2norm_in_kernel, backend, intra_cp, cp_warmup, cp_context)
     bounds = check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, backend)
     check_cp_arguments(intra_cp, cp_warmup)
-    if cp_context is not None:
-        raise NotImplementedError("cp_context: inter-card context parallelism is not implemented yet")
     if scale is None:
         scale = q.shape[-1] ** -0.5
     if use_qk_l2norm_in_kernel:
@@ -87,3 +88,30 @@ def chunk_gated_delta_rule(
     return ChunkGatedDeltaRuleFunction.apply(
         q, k, v, g, beta, initial_state, float(scale), bool(output_final_state), cu_seqlens, plan, cp_warmup, name
     )
+
+
+def _with_cp_context(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm_in_kernel,
+                     backend, intra_cp, cp_warmup, cp_context):
+    """Inter-card CP: validate, make every rank of the group agree (or all raise), then run the chain."""
+    from ..cp import inter
+
+    error = None
+    try:
+        check_inputs(q, k, v, g, beta, scale, initial_state, None, backend)
+        check_cp_arguments(intra_cp, cp_warmup)
+        error = inter.local_error(cp_context, q, cu_seqlens, initial_state, output_final_state)
+    except (TypeError, ValueError) as exc:
+        error = str(exc)
+    inter.agree_on_call(cp_context, error, q, v)
+    if scale is None:
+        scale = q.shape[-1] ** -0.5
+    if use_qk_l2norm_in_kernel:
+        q, k = l2norm(q), l2norm(k)
+    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+    plan = make_plan(1, q.shape[1], list(cp_context.local_bounds), 0)
+    segment_chunks = resolve_segment_chunks(intra_cp, plan.lengths, v.shape[2], q.device)
+    if segment_chunks:
+        plan = make_plan(1, q.shape[1], list(cp_context.local_bounds), segment_chunks)
+    name = backends.choose(backend, backends.Call(q, k, v, g, beta, None, cp_context.cu_seqlens, plan.is_segmented))
+    o = inter.InterCardCPFunction.apply(q, k, v, g, beta, float(scale), cp_context, plan, cp_warmup, name)
+    return o, None

@@ -93,3 +93,10 @@ def backward(q, k, v, g, beta, scale, initial_state, plan: SegmentPlan, do, dht,
     if initial_state is not None:
         dh0 = dS0[torch.tensor(plan.first_rows, device=q.device)].to(initial_state.dtype)
     return dq, dk, dv, dg, dbeta, dh0
+
+
+def transition_product(q, k, v, g, beta):
+    """M [1, Hv, K, K] of one whole sequence [1, T]: its end state is M S_start + S* (design doc §3)."""
+    grid = runs_from_lengths([0], [q.shape[1]], q.shape[1])
+    x = reference.to_chunk_inputs(grid, _flat(q), _flat(k), _flat(v), _flat(g), _flat(beta))
+    return reference.transition_product(x)

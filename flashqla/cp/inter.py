@@ -1,0 +1,198 @@
+"""Inter-card CP: the S0 chain across the parts of the token stream (design doc §3), forward and backward.
+
+Forward, per part p (in true token order): the part's last sequence, if it goes on into part p+1, is
+summarised from the zero state as S_end = M_p S_enter + S*_p (M_p = 0 when that sequence started in
+p). One all-gather shares (S*, M); each rank folds the chain of the parts before each of its own,
+
+    S_enter[p] = S*_{p-1} + M_{p-1} S_enter[p-1]     (fp32, or fp64 for fp64 inputs)
+
+and runs the ordinary local op with S_enter as the initial state of the part's first sequence. The
+all-gather is started asynchronously and the local work that does not need S_enter (every sequence
+that starts on this rank) runs while it is in flight.
+
+Backward mirrors it: for its first sequence each part computes D_p, the gradient of the state entering
+the part when the gradient leaving the part is zero, and M'_p (the transition product of that sequence
+inside the part, 0 if it ends there); one all-gather; then X_p = D_{p+1} + M'_{p+1}^T X_{p+1}
+is the gradient of the state leaving part p, fed to the local backward as the last sequence's dht.
+
+Every rank joins every all-gather, whether or not it needs the result. Before the summaries, a tiny
+all-gather of each rank's error flag and shapes lets a bad call on one rank raise on all of them
+(instead of leaving the others waiting) and guarantees equal payload sizes.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..ops import backends, torch_backend
+from .context import CPContext
+
+
+def _summary_dtype(x: torch.Tensor) -> torch.dtype:
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def _span(t: torch.Tensor, start: int, end: int) -> torch.Tensor:
+    return t[:, start:end]
+
+
+class _Exchange:
+    """One asynchronous all-gather of per-part (state, matrix) pairs, joined by every rank."""
+
+    def __init__(self, cp: CPContext, states: torch.Tensor, mats: torch.Tensor):
+        self.cp = cp
+        self.shapes = (states.shape, mats.shape)
+        payload = torch.cat([states.reshape(-1), mats.reshape(-1)])
+        self.gathered = [torch.empty_like(payload) for _ in range(cp.world_size)]
+        self.work = dist.all_gather(self.gathered, payload, group=cp.group, async_op=True)
+
+    def wait(self):
+        """-> states [parts, ...], mats [parts, ...] of every part in global order."""
+        self.work.wait()
+        (s_shape, m_shape), cp = self.shapes, self.cp
+        n_states = s_shape.numel()
+        states = torch.empty((cp.num_parts,) + s_shape[1:], dtype=self.gathered[0].dtype, device=self.gathered[0].device)
+        mats = torch.empty((cp.num_parts,) + m_shape[1:], dtype=states.dtype, device=states.device)
+        for rank, payload in enumerate(self.gathered):
+            parts = _parts_of_rank(cp, rank)
+            states[parts] = payload[:n_states].reshape(s_shape)
+            mats[parts] = payload[n_states:].reshape(m_shape)
+        return states, mats
+
+
+def _parts_of_rank(cp: CPContext, rank: int) -> list[int]:
+    return [rank] if cp.layout == "contiguous" else [rank, 2 * cp.world_size - 1 - rank]
+
+
+def local_error(cp: CPContext, q, cu_seqlens, initial_state, output_final_state) -> str | None:
+    """What is wrong with this rank's call given its context (None if nothing); never raises."""
+    if q.shape[0] != 1:
+        return f"cp_context needs the packed layout (batch 1), got q with batch {q.shape[0]}"
+    if q.shape[1] != cp.local_tokens:
+        return f"q has {q.shape[1]} tokens on rank {cp.rank}, but cp_context gives this rank {cp.local_tokens}"
+    if cu_seqlens is not None and (not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.tolist() != list(cp.local_bounds)):
+        return "cu_seqlens differs from cp_context's local offsets; pass cu_seqlens=None with cp_context"
+    if initial_state is not None or output_final_state:
+        return "initial_state / output_final_state are not supported with cp_context"
+    return None
+
+
+def agree_on_call(cp: CPContext, error: str | None, q, v) -> None:
+    """A tiny all-gather of (error flag, head counts, dims, dtype) before the summaries, so payload sizes
+    match on every rank and a bad call on one rank raises on all of them instead of hanging."""
+    dtypes = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+    if error:  # the shapes may be anything: send only the flag
+        header = [1, 0, 0, 0, 0, 0]
+    else:
+        header = [0, q.shape[2], v.shape[2], q.shape[3], v.shape[3], dtypes.index(q.dtype) if q.dtype in dtypes else -1]
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(cp.group) == "nccl" else "cpu"
+    mine = torch.tensor(header, dtype=torch.int64, device=device)
+    everyone = [torch.empty_like(mine) for _ in range(cp.world_size)]
+    dist.all_gather(everyone, mine, group=cp.group)
+    everyone = torch.stack(everyone).cpu()
+    if error:
+        raise ValueError(error)
+    if everyone[:, 0].any():
+        raise ValueError("chunk_gated_delta_rule with cp_context failed on another rank (see its error)")
+    if not torch.all(everyone[:, 1:] == everyone[cp.rank, 1:]):  # no rank raised above: all rows are real
+        raise ValueError("ranks of the CP group disagree on head counts, head dims or dtype: "
+                         f"{everyone[:, 1:].tolist()} (rows = ranks: Hqk, Hv, K, V, dtype)")
+
+
+class InterCardCPFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, scale, cp: CPContext, plan, cp_warmup, backend):
+        Hv, K, V = v.shape[2], q.shape[3], v.shape[3]
+        dtype = _summary_dtype(q)
+        S_star = q.new_zeros((len(cp.pieces), Hv, K, V), dtype=dtype)
+        M = q.new_zeros((len(cp.pieces), Hv, K, K), dtype=dtype)
+        for i, piece in enumerate(cp.pieces):
+            if piece.last_seq_continues:
+                s, e = _sequence_span(cp, cp.last_sequence_of(piece))
+                args = [_span(t, s, e) for t in (q, k, v, g, beta)]
+                S_star[i] = _final_state_from_zero(*args, scale).to(dtype)[0]
+                if cp.first_sequence_of(piece) == cp.last_sequence_of(piece) and piece.first_seq_continues:
+                    M[i] = torch_backend.transition_product(*args).to(dtype)[0]
+        exchange = _Exchange(cp, S_star, M)
+        # while the summaries travel: every sequence that starts on this rank (zero initial state)
+        initial_state = q.new_zeros((len(cp.local_bounds) - 1, Hv, K, V), dtype=dtype)
+        o = _local_forward(q, k, v, g, beta, scale, initial_state, plan, cp_warmup, backend)
+        states, mats = exchange.wait()
+        S_enter = _fold_forward(cp, states, mats)
+        for piece in cp.pieces:
+            if piece.first_seq_continues:
+                n = cp.first_sequence_of(piece)
+                initial_state[n] = S_enter[piece.index]
+                s, e = _sequence_span(cp, n)
+                o[:, s:e] = _local_forward(*[_span(t, s, e) for t in (q, k, v, g, beta)], scale,
+                                           initial_state[n:n + 1], _sub_plan(plan, s, e), cp_warmup, backend)
+        ctx.save_for_backward(q, k, v, g, beta, initial_state)
+        ctx.scale, ctx.cp, ctx.plan, ctx.cp_warmup, ctx.backend = scale, cp, plan, cp_warmup, backend
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, g, beta, initial_state = ctx.saved_tensors
+        cp, scale, plan, warmup = ctx.cp, ctx.scale, ctx.plan, ctx.cp_warmup
+        do = do.contiguous()
+        Hv, K, V = v.shape[2], q.shape[3], v.shape[3]
+        D = torch.zeros((len(cp.pieces), Hv, K, V), dtype=initial_state.dtype, device=q.device)
+        M_first = torch.zeros((len(cp.pieces), Hv, K, K), dtype=initial_state.dtype, device=q.device)
+        for i, piece in enumerate(cp.pieces):
+            if piece.first_seq_continues:
+                n = cp.first_sequence_of(piece)
+                s, e = _sequence_span(cp, n)
+                args = [_span(t, s, e) for t in (q, k, v, g, beta)]
+                # D: gradient of the entering state with a zero gradient leaving the part
+                grads = torch_backend.backward(*args, scale, initial_state[n:n + 1], _sub_plan(plan, s, e),
+                                               do[:, s:e], None, warmup)
+                D[i] = grads[5][0]
+                if n == cp.last_sequence_of(piece) and piece.last_seq_continues:
+                    M_first[i] = torch_backend.transition_product(*args).to(M_first.dtype)[0]
+        exchange = _Exchange(cp, D, M_first)
+        dD, dM = exchange.wait()
+        X = _fold_backward(cp, dD, dM)
+        dht = torch.zeros_like(initial_state)
+        for piece in cp.pieces:
+            if piece.last_seq_continues:
+                dht[cp.last_sequence_of(piece)] = X[piece.index]
+        dq, dk, dv, dg, dbeta, _ = torch_backend.backward(q, k, v, g, beta, scale, initial_state, plan, do, dht, warmup)
+        return dq, dk, dv, dg, dbeta, None, None, None, None, None
+
+
+def _sequence_span(cp: CPContext, n: int) -> tuple[int, int]:
+    return cp.local_bounds[n], cp.local_bounds[n + 1]
+
+
+def _sub_plan(plan, start: int, end: int):
+    """The same segment length, for the single sequence [start, end) of the local stream."""
+    return torch_backend.make_plan(1, end - start, None, plan.segment_chunks)
+
+
+def _final_state_from_zero(q, k, v, g, beta, scale):
+    _, S_final = torch_backend.forward(q, k, v, g, beta, scale, None, True, torch_backend.make_plan(1, q.shape[1], None, 0))
+    return S_final
+
+
+def _local_forward(q, k, v, g, beta, scale, initial_state, plan, cp_warmup, backend):
+    call = backends.Call(q, k, v, g, beta, initial_state, None, plan.is_segmented)
+    o, _ = backends.forward(backend, call, scale, False, plan, cp_warmup)
+    return o
+
+
+def _fold_forward(cp: CPContext, S_star: torch.Tensor, M: torch.Tensor) -> torch.Tensor:
+    """S_enter[p] for every part: the chain of (S*, M) over the parts before it, in token order."""
+    S_enter = torch.zeros_like(S_star)
+    for p in range(1, cp.num_parts):
+        if cp.part_flags[p][0]:  # the sequence entering part p started earlier
+            S_enter[p] = S_star[p - 1] + M[p - 1] @ S_enter[p - 1]
+    return S_enter
+
+
+def _fold_backward(cp: CPContext, D: torch.Tensor, M_first: torch.Tensor) -> torch.Tensor:
+    """X[p]: gradient of the state leaving part p, from the parts after it, in reverse token order."""
+    X = torch.zeros_like(D)
+    for p in reversed(range(cp.num_parts - 1)):
+        if cp.part_flags[p][1]:  # the last sequence of part p goes on into part p+1
+            X[p] = D[p + 1] + M_first[p + 1].transpose(-1, -2) @ X[p + 1]
+    return X
