@@ -12,14 +12,23 @@ from multiprocess import run_on_ranks
 NAMES = ("q", "k", "v", "g", "beta")
 
 
-def rank_tokens(layout, world, rank, total):
-    """Global token indices this rank holds, in local order."""
+def rank_tokens(layout, world, rank, lengths):
+    """Global token indices this rank holds, in local order (written independently of flashqla.cp)."""
+    total = sum(lengths)
     if layout == "contiguous":
         part = total // world
         return torch.arange(rank * part, (rank + 1) * part)
-    part = total // (2 * world)
-    return torch.cat([torch.arange(rank * part, (rank + 1) * part),
-                      torch.arange((2 * world - 1 - rank) * part, (2 * world - rank) * part)])
+    if layout == "zigzag":
+        part = total // (2 * world)
+        return torch.cat([torch.arange(rank * part, (rank + 1) * part),
+                          torch.arange((2 * world - 1 - rank) * part, (2 * world - rank) * part)])
+    pieces, start = [], 0
+    for n in lengths:  # zigzag_per_sequence: chunks r and 2W-1-r of every sequence
+        part = n // (2 * world)
+        for i in (rank, 2 * world - 1 - rank):
+            pieces.append(torch.arange(start + i * part, start + (i + 1) * part))
+        start += n
+    return torch.cat(pieces)
 
 
 def _cp_equals_single_process(rank, world, lengths, layout, intra_cp, heads, dtype, limit):
@@ -31,7 +40,7 @@ def _cp_equals_single_process(rank, world, lengths, layout, intra_cp, heads, dty
     o_ref, _ = flashqla.chunk_gated_delta_rule(**args, cu_seqlens=cu, backend="torch")
     ref_grads = torch.autograd.grad((o_ref * do).sum(), [args[n] for n in NAMES])
 
-    mine = rank_tokens(layout, world, rank, total)
+    mine = rank_tokens(layout, world, rank, lengths)
     local = {n: args[n].detach()[:, mine].clone().requires_grad_(True) for n in NAMES}
     ctx = build_cp_context(cu, group=dist.group.WORLD, layout=layout)
     o, ht = flashqla.chunk_gated_delta_rule(**local, cp_context=ctx, backend="torch", intra_cp=intra_cp, cp_warmup=None)
@@ -56,6 +65,8 @@ RUNS = [((2, 3, 4), CASES[c], "contiguous", "off", (2, 4), torch.float32, 1e-5) 
     ((2, 3), [100, 1, 150, 3, 130], "zigzag", "off", (1, 2), torch.float32, 1e-5),  # true token order
     ((2,), [384, 200, 184], "contiguous", 1, (2, 4), torch.float32, 1e-5),  # with intra-card segments
     ((4,), [50, 300, 34], "zigzag", 2, (1, 2), torch.float64, 1e-12),  # fp64: exact to rounding
+    ((2,), [4, 260, 140], "zigzag_per_sequence", "off", (2, 4), torch.float32, 1e-5),  # Megatron's THD order
+    ((3,), [6, 390, 72], "zigzag_per_sequence", 1, (1, 2), torch.float32, 1e-5),
 ]
 
 
@@ -79,6 +90,8 @@ def _errors_raise_on_every_rank(rank, world):
     # a stream that does not split evenly
     with pytest.raises(ValueError, match="equal parts"):
         build_cp_context(random_cu_seqlens([63]), group=dist.group.WORLD)
+    with pytest.raises(ValueError, match="divisible by 4"):
+        build_cp_context(random_cu_seqlens([64, 6]), group=dist.group.WORLD, layout="zigzag_per_sequence")
     # a wrong local length on rank 1 only: both ranks raise instead of rank 0 waiting in a collective
     ctx = build_cp_context(random_cu_seqlens([128]), group=dist.group.WORLD)
     args = make_inputs(1, 64 if rank == 0 else 63, 1, 1, 16, 16, requires_grad=False)

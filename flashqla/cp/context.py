@@ -1,10 +1,14 @@
 """Inter-card CP context: which slice of the global token stream each rank holds, and where the packed
 sequences cross slice boundaries.
 
-The global stream (B == 1 packed layout, `cu_seqlens_global`) is cut into equal parts:
-- layout="contiguous": W parts, rank r holds part r;
-- layout="zigzag" (Megatron's load-balanced order): 2W parts, rank r holds parts r and 2W-1-r.
-A part is a "piece" of the chain; pieces are chained in true token order whatever rank holds them.
+The global stream (B == 1 packed layout, `cu_seqlens_global`) is cut into parts:
+- layout="contiguous": W equal parts, rank r holds part r;
+- layout="zigzag": 2W equal parts of the stream, rank r holds parts r and 2W-1-r (load-balanced
+  causal attention over one long sequence);
+- layout="zigzag_per_sequence": Megatron's load-balanced CP order for packed (THD) and padded
+  inputs: every sequence is cut into 2W equal parts and rank r holds parts r and 2W-1-r of each
+  sequence, sequence after sequence.
+The parts are chained in true token order whatever rank holds them.
 """
 from __future__ import annotations
 
@@ -14,7 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-LAYOUTS = ("contiguous", "zigzag")
+LAYOUTS = ("contiguous", "zigzag", "zigzag_per_sequence")
 
 
 @dataclass(frozen=True)
@@ -38,6 +42,7 @@ class CPContext:
     num_parts: int
     pieces: tuple[Piece, ...]  # this rank's parts, in local order
     part_flags: tuple[tuple[bool, bool], ...]  # (first_seq_continues, last_seq_continues) of every part
+    parts_of_rank: tuple[tuple[int, ...], ...]  # the part indices each rank holds, in its local order
     cu_seqlens: torch.Tensor  # LOCAL offsets (int32) of the local stream, sequences cut at part boundaries
     local_bounds: tuple[int, ...]  # the same, as host ints
     conv1d_kernel_size: int | None
@@ -60,10 +65,31 @@ class CPContext:
         return self.local_bounds.index(piece.local_start + piece.length) - 1
 
 
-def _parts(total: int, world: int, rank: int, layout: str) -> tuple[int, list[int]]:
+def _layout_parts(bounds: list[int], world: int, layout: str):
+    """-> (parts as (global_start, length) in token order, part indices of each rank in local order),
+    or a string saying why the stream cannot be laid out."""
+    total = bounds[-1]
+    if layout == "zigzag_per_sequence":
+        parts, owned = [], [[] for _ in range(world)]
+        for start, end in zip(bounds[:-1], bounds[1:]):
+            if (end - start) % (2 * world):
+                return f"layout='zigzag_per_sequence' needs every sequence length divisible by {2 * world}, got {end - start}"
+            size = (end - start) // (2 * world)
+            if size == 0:
+                continue
+            first = len(parts)
+            parts += [(start + i * size, size) for i in range(2 * world)]
+            for rank in range(world):
+                owned[rank] += [first + rank, first + 2 * world - 1 - rank]
+        return parts, owned
+    num_parts = world if layout == "contiguous" else 2 * world
+    if total % num_parts:
+        return f"the {total} tokens do not split into {num_parts} equal parts ({layout} layout over {world} ranks)"
+    size = total // num_parts
+    parts = [(i * size, size) for i in range(num_parts)]
     if layout == "contiguous":
-        return world, [rank]
-    return 2 * world, [rank, 2 * world - 1 - rank]
+        return parts, [[r] for r in range(world)]
+    return parts, [[r, 2 * world - 1 - r] for r in range(world)]
 
 
 def build_cp_context(cu_seqlens_global, group=None, layout: str = "contiguous", conv1d_kernel_size: int | None = None,
@@ -82,28 +108,28 @@ def build_cp_context(cu_seqlens_global, group=None, layout: str = "contiguous", 
         raise TypeError("cu_seqlens_global must be a 1-D int32/int64 tensor")
     bounds = [int(b) for b in source.tolist()]
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    total = bounds[-1] if bounds else 0
     problem = None
     if len(bounds) < 2 or bounds[0] != 0 or any(b < a for a, b in zip(bounds[:-1], bounds[1:])):
         problem = "cu_seqlens_global must start at 0 and be non-decreasing"
-    num_parts, mine = _parts(total, world, rank, layout)
-    if problem is None and total % num_parts:
-        problem = f"the {total} tokens do not split into {num_parts} equal parts ({layout} layout over {world} ranks)"
+    else:
+        laid_out = _layout_parts(bounds, world, layout)
+        if isinstance(laid_out, str):
+            problem = laid_out
     fingerprint = zlib.crc32(repr((bounds, world, layout, conv1d_kernel_size)).encode())
     _agree_or_raise(fingerprint, problem, group)
 
-    part = total // num_parts
-    cuts = sorted(set(bounds) | {i * part for i in range(num_parts + 1)})
+    parts, owned = laid_out
     starts = set(bounds)
-    flags = tuple((i * part not in starts, (i + 1) * part not in starts) for i in range(num_parts))
+    flags = tuple((lo not in starts, lo + n not in starts) for lo, n in parts)
+    cuts = sorted(starts | {lo for lo, _ in parts})
     pieces, local_bounds, offset = [], [0], 0
-    for index in mine:
-        lo, hi = index * part, (index + 1) * part
-        pieces.append(Piece(index, lo, offset, part, *flags[index]))
-        local_bounds += [offset + c - lo for c in cuts if lo < c <= hi]
-        offset += part
+    for index in owned[rank]:
+        lo, n = parts[index]
+        pieces.append(Piece(index, lo, offset, n, *flags[index]))
+        local_bounds += [offset + c - lo for c in cuts if lo < c < lo + n] + [offset + n]
+        offset += n
     device = cu_seqlens_global.device
-    return CPContext(group, rank, world, layout, num_parts, tuple(pieces), flags,
+    return CPContext(group, rank, world, layout, len(parts), tuple(pieces), flags, tuple(map(tuple, owned)),
                      torch.tensor(local_bounds, dtype=torch.int32, device=device), tuple(local_bounds),
                      conv1d_kernel_size, fingerprint)
 

@@ -54,14 +54,10 @@ class _Exchange:
         states = torch.empty((cp.num_parts,) + s_shape[1:], dtype=self.gathered[0].dtype, device=self.gathered[0].device)
         mats = torch.empty((cp.num_parts,) + m_shape[1:], dtype=states.dtype, device=states.device)
         for rank, payload in enumerate(self.gathered):
-            parts = _parts_of_rank(cp, rank)
+            parts = list(cp.parts_of_rank[rank])
             states[parts] = payload[:n_states].reshape(s_shape)
             mats[parts] = payload[n_states:].reshape(m_shape)
         return states, mats
-
-
-def _parts_of_rank(cp: CPContext, rank: int) -> list[int]:
-    return [rank] if cp.layout == "contiguous" else [rank, 2 * cp.world_size - 1 - rank]
 
 
 def local_error(cp: CPContext, q, cu_seqlens, initial_state, output_final_state) -> str | None:
