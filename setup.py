@@ -19,7 +19,7 @@ setup(
     package_dir={"flashqla.kernels": "kernels"},
     install_requires=["torch>=2.4"],
     extras_require={
-        "test": ["pytest>=7", "numpy"],
+        "test": ["pytest>=7", "numpy", "transformers==5.23.0"],
         "tilelang": ["tilelang==0.1.15"],
         "megatron": ["megatron-core>=0.19,<0.20"],
         "deepspeed": ["deepspeed>=0.19,<0.20"],

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# Runs flashqla's CPU test suite on a fresh machine: makes .venv (Python 3.11 + CPU torch), installs
-# flashqla with its test extras in editable mode, and runs pytest. Extra arguments go to pytest.
+# Runs flashqla's CPU test suite on a fresh machine:
+#   1. .venv (Python 3.11 + CPU torch) with flashqla and its test extras, editable; pytest tests/
+#   2. .venv312 (Python 3.12, megatron-core 0.19.2; scripts/megatron_venv.sh); pytest tests/megatron
+# GPU tests skip themselves without CUDA. Extra arguments go to the first pytest run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
@@ -8,3 +10,5 @@ PYTHON=${PYTHON:-python3}
 .venv/bin/python -m pip install -q --disable-pip-version-check torch==2.13.0 -e '.[test]' 2>&1 | { grep -v "is ignored" || true; }
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
 .venv/bin/python -m pytest -q --ignore=tests/megatron "$@"
+bash scripts/megatron_venv.sh 2>&1 | { grep -v "is ignored" || true; }
+.venv312/bin/python -m pytest -q tests/megatron
