@@ -12,20 +12,22 @@ Only O and the final state leave the kernel. g is natural log: the chunk-local c
 wy_inverse is multiplied by log2(e) once when it is loaded, and every decay is then exp2 of a difference
 of those base-2 cumulative gates (each difference is <= 0, so no factor exceeds 1).
 
-Rows past the end of a sequence: K rows load as zero (they cannot touch S), gcum rows repeat the last
-valid row (so gamma_last is the gate at the last token and no exp2 argument is positive), Q/V/Ab rows are
-read from a clamped, valid address, and O rows are not stored.
+Rows past the end of a sequence: K rows are zeroed after they land (they cannot touch S), gcum rows
+repeat the last valid row (so gamma_last is the gate at the last token and no exp2 argument is positive),
+Q/V/Ab rows hold whatever follows (the next sequence, or zeros past the tensor end) and only reach rows of
+O that are not stored, and columns of Gamma o Ab that the lower-triangular mask removes.
 
-Schedule (256 threads = two warpgroups, both consumers; one serial loop over chunks):
-  | step | work                                                               | unit          |
-  | 1    | load Q, K (k-head h // group), V tile, Ab, gcum of the chunk        | LSU -> smem   |
-  | 2    | KS = K S, QS = Q S, P = Q K^T                                       | WGMMA         |
-  | 3    | W = Lower(Gamma) o Ab, Vd = V - gamma KS, Pm = Lower(Gamma) o P     | CUDA cores    |
-  | 4    | V' = W Vd                                                           | WGMMA         |
-  | 5    | O = gamma QS + Pm V'  (accumulated onto QS), scaled, stored         | WGMMA, LSU    |
-  | 6    | S = gamma_last S + K^T (gamma_last / gamma) V';  S -> smem (bf16)    | WGMMA         |
-The warp-specialised producer/consumer version (TMA + mbarriers) is future work; this one is the
-correctness baseline.
+Schedule (256 threads = two warpgroups, both consumers; one serial loop over chunks, two smem stages):
+  | step | work                                                                  | unit            |
+  | 1    | cp.async Q, K (k-head h // group), V tile, Ab, gcum of chunk c + 1     | LSU -> smem     |
+  |      | into the other stage; wait for chunk c's five groups                   |                 |
+  | 2    | KS = K S, QS = Q S, P = Q K^T                                          | WGMMA           |
+  | 3    | W = Lower(Gamma) o Ab, Vd = V - gamma KS, Pm = Lower(Gamma) o P        | CUDA cores      |
+  | 4    | V' = W Vd                                                              | WGMMA           |
+  | 5    | O = gamma QS + Pm V'  (accumulated onto QS), scaled, stored            | WGMMA, LSU      |
+  | 6    | S = gamma_last S + K^T (gamma_last / gamma) V';  S -> smem (bf16)       | WGMMA           |
+Steps 2-6 are serial within the CTA; only the loads of the next chunk overlap them. The warp-specialised
+producer/consumer version (TMA + mbarriers, V'/O/S consumers overlapping) is future work.
 """
 import tilelang
 import tilelang.language as T
@@ -51,13 +53,66 @@ def build_fused_fwd(dtype: str, block_v: int, threads: int = 256):
     num_ht = T.dynamic("num_ht")
     C, D, BV = CHUNK, HEAD_DIM, block_v
 
+    @T.macro
+    def load_chunk(q, k, v, Ab, gcum, t0, hk, h, v0, Q_s, K_s, V_s, Ab_s, graw_s):
+        """Step 1: cp.async the chunk starting at token t0 into one stage (five commit groups)."""
+        T.async_copy(q[t0:t0 + C, hk, 0:D], Q_s)
+        T.async_copy(k[t0:t0 + C, hk, 0:D], K_s)
+        T.async_copy(v[t0:t0 + C, h, v0:v0 + BV], V_s)
+        T.async_copy(Ab[t0:t0 + C, h, 0:C], Ab_s)
+        T.async_copy(gcum[h, t0:t0 + C], graw_s)
+
+    @T.macro
+    def chunk_step(o, t0, n_rows, h, v0, scale, Q_s, K_s, V_s, Ab_s, graw_s, gc_sh, S_sh, W_sh, P_sh,
+                   Vd_sh, Vn_sh, Vs_sh, S, KS, O, P, Vn):
+        """Steps 2-6 on one stage whose loads have landed."""
+        # rows past the sequence end: zero keys, gates repeat the last valid row (base 2)
+        if n_rows < C:
+            for r, d in T.Parallel(C, D):
+                if r >= n_rows:
+                    K_s[r, d] = T.cast(0, dtype)
+        for r in T.Parallel(C):
+            gc_sh[r] = graw_s[T.min(r, n_rows - 1)] * LOG2E
+
+        # 2. products with the incoming state, and the intra-chunk scores
+        T.gemm(K_s, S_sh, KS, clear_accum=True)
+        T.gemm(Q_s, S_sh, O, clear_accum=True)
+        T.gemm(Q_s, K_s, P, transpose_B=True, clear_accum=True)
+
+        # 3. gate masks and V delta
+        for r, s in T.Parallel(C, C):
+            W_sh[r, s] = T.if_then_else(r >= s, Ab_s[r, s] * T.exp2(gc_sh[r] - gc_sh[s]), T.cast(0, dtype))
+            P_sh[r, s] = T.if_then_else(r >= s, P[r, s] * T.exp2(gc_sh[r] - gc_sh[s]), 0.0)
+        for r, j in T.Parallel(C, BV):
+            Vd_sh[r, j] = V_s[r, j] - T.exp2(gc_sh[r]) * KS[r, j]
+
+        # 4. V' = (Gamma o Ab) Vd
+        T.gemm(W_sh, Vd_sh, Vn, clear_accum=True)
+        for r, j in T.Parallel(C, BV):
+            Vn_sh[r, j] = Vn[r, j]
+            Vs_sh[r, j] = Vn[r, j] * T.exp2(gc_sh[C - 1] - gc_sh[r])
+
+        # 5. O = scale (gamma QS + Pm V')
+        for r, j in T.Parallel(C, BV):
+            O[r, j] = O[r, j] * T.exp2(gc_sh[r])
+        T.gemm(P_sh, Vn_sh, O)
+        for r, j in T.Parallel(C, BV):
+            if r < n_rows:
+                o[t0 + r, h, v0 + j] = O[r, j] * scale
+
+        # 6. state update
+        for i, j in T.Parallel(D, BV):
+            S[i, j] = S[i, j] * T.exp2(gc_sh[C - 1])
+        T.gemm(K_s, Vs_sh, S, transpose_A=True)
+        T.copy(S, S_sh)
+
     @T.prim_func
     def fused_fwd(
         q: T.Tensor((num_tokens, num_qk_heads, D), dtype),
         k: T.Tensor((num_tokens, num_qk_heads, D), dtype),
         v: T.Tensor((num_tokens, num_v_heads, D), dtype),
         Ab: T.Tensor((num_tokens, num_v_heads, C), dtype),
-        gcum: T.Tensor((num_tokens, num_v_heads), "float32"),
+        gcum: T.Tensor((num_v_heads, num_tokens), "float32"),
         cu_seqlens: T.Tensor((num_seqs + 1,), "int32"),
         h0: T.Tensor((num_h0, D, D), "float32"),
         o: T.Tensor((num_tokens, num_v_heads, D), dtype),
@@ -67,16 +122,22 @@ def build_fused_fwd(dtype: str, block_v: int, threads: int = 256):
         store_ht: T.int32,
     ):
         with T.Kernel(D // BV, num_seqs, num_v_heads, threads=threads) as (bv, n, h):
+            hk = T.alloc_var("int32")
+            bos = T.alloc_var("int32")
+            eos = T.alloc_var("int32")
             hk = h // (num_v_heads // num_qk_heads)
-            v0 = bv * BV
-            state_row = n * num_v_heads + h
             bos = cu_seqlens[n]
             eos = cu_seqlens[n + 1]
+            v0 = bv * BV
+            state_row = n * num_v_heads + h
+            num_chunks = T.ceildiv(eos - bos, C)
 
-            Q_sh = T.alloc_shared((C, D), dtype)
-            K_sh = T.alloc_shared((C, D), dtype)
-            V_sh = T.alloc_shared((C, BV), dtype)
-            Ab_sh = T.alloc_shared((C, C), dtype)
+            # two stages of chunk inputs: chunk c + 1 lands in one while chunk c computes from the other
+            Q0, Q1 = T.alloc_shared((C, D), dtype), T.alloc_shared((C, D), dtype)
+            K0, K1 = T.alloc_shared((C, D), dtype), T.alloc_shared((C, D), dtype)
+            V0, V1 = T.alloc_shared((C, BV), dtype), T.alloc_shared((C, BV), dtype)
+            Ab0, Ab1 = T.alloc_shared((C, C), dtype), T.alloc_shared((C, C), dtype)
+            graw0, graw1 = T.alloc_shared((C,), "float32"), T.alloc_shared((C,), "float32")
             gc_sh = T.alloc_shared((C,), "float32")
             S_sh = T.alloc_shared((D, BV), dtype)
             W_sh = T.alloc_shared((C, C), dtype)
@@ -96,55 +157,30 @@ def build_fused_fwd(dtype: str, block_v: int, threads: int = 256):
             else:
                 T.clear(S)
             T.copy(S, S_sh)
+            load_chunk(q, k, v, Ab, gcum, bos, hk, h, v0, Q0, K0, V0, Ab0, graw0)
 
-            for c in T.serial(T.ceildiv(eos - bos, C)):
+            for c in T.serial(num_chunks):
                 t0 = bos + c * C
                 n_rows = T.min(C, eos - t0)
-                last = n_rows - 1
-
-                # 1. loads (clamped rows past the sequence end; zero keys there)
-                for r, d in T.Parallel(C, D):
-                    Q_sh[r, d] = q[t0 + T.min(r, last), hk, d]
-                    K_sh[r, d] = T.if_then_else(r < n_rows, k[t0 + T.min(r, last), hk, d], T.cast(0, dtype))
-                for r, j in T.Parallel(C, BV):
-                    V_sh[r, j] = v[t0 + T.min(r, last), h, v0 + j]
-                for r, s in T.Parallel(C, C):
-                    Ab_sh[r, s] = Ab[t0 + T.min(r, last), h, s]
-                for r in T.Parallel(C):
-                    gc_sh[r] = gcum[t0 + T.min(r, last), h] * LOG2E
-
-                # 2. products with the incoming state, and the intra-chunk scores
-                T.gemm(K_sh, S_sh, KS, clear_accum=True)
-                T.gemm(Q_sh, S_sh, O, clear_accum=True)
-                T.gemm(Q_sh, K_sh, P, transpose_B=True, clear_accum=True)
-
-                # 3. gate masks and V delta
-                for r, s in T.Parallel(C, C):
-                    W_sh[r, s] = T.if_then_else(
-                        r >= s, Ab_sh[r, s] * T.exp2(gc_sh[r] - gc_sh[s]), T.cast(0, dtype))
-                    P_sh[r, s] = T.if_then_else(r >= s, P[r, s] * T.exp2(gc_sh[r] - gc_sh[s]), 0.0)
-                for r, j in T.Parallel(C, BV):
-                    Vd_sh[r, j] = V_sh[r, j] - T.exp2(gc_sh[r]) * KS[r, j]
-
-                # 4. V' = (Gamma o Ab) Vd
-                T.gemm(W_sh, Vd_sh, Vn, clear_accum=True)
-                for r, j in T.Parallel(C, BV):
-                    Vn_sh[r, j] = Vn[r, j]
-                    Vs_sh[r, j] = Vn[r, j] * T.exp2(gc_sh[C - 1] - gc_sh[r])
-
-                # 5. O = scale (gamma QS + Pm V')
-                for r, j in T.Parallel(C, BV):
-                    O[r, j] = O[r, j] * T.exp2(gc_sh[r])
-                T.gemm(P_sh, Vn_sh, O)
-                for r, j in T.Parallel(C, BV):
-                    if r < n_rows:
-                        o[t0 + r, h, v0 + j] = O[r, j] * scale
-
-                # 6. state update
-                for i, j in T.Parallel(D, BV):
-                    S[i, j] = S[i, j] * T.exp2(gc_sh[C - 1])
-                T.gemm(K_sh, Vs_sh, S, transpose_A=True)
-                T.copy(S, S_sh)
+                if c % 2 == 0:
+                    if c + 1 < num_chunks:
+                        load_chunk(q, k, v, Ab, gcum, t0 + C, hk, h, v0, Q1, K1, V1, Ab1, graw1)
+                        T.ptx_wait_group(5)
+                    else:
+                        T.ptx_wait_group(0)
+                    T.sync_threads()
+                    chunk_step(o, t0, n_rows, h, v0, scale, Q0, K0, V0, Ab0, graw0, gc_sh, S_sh, W_sh, P_sh,
+                               Vd_sh, Vn_sh, Vs_sh, S, KS, O, P, Vn)
+                else:
+                    if c + 1 < num_chunks:
+                        load_chunk(q, k, v, Ab, gcum, t0 + C, hk, h, v0, Q0, K0, V0, Ab0, graw0)
+                        T.ptx_wait_group(5)
+                    else:
+                        T.ptx_wait_group(0)
+                    T.sync_threads()
+                    chunk_step(o, t0, n_rows, h, v0, scale, Q1, K1, V1, Ab1, graw1, gc_sh, S_sh, W_sh, P_sh,
+                               Vd_sh, Vn_sh, Vs_sh, S, KS, O, P, Vn)
+                T.sync_threads()  # the stage just used is refilled by the next iteration's loads
 
             if store_ht != 0:
                 T.copy(S, ht[state_row, 0:D, v0:v0 + BV])

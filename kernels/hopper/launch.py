@@ -97,8 +97,8 @@ def chunk_gdn_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu
     beta2 = beta.view(B * T, Hv).float()
 
     Ab = torch.empty(B * T, Hv, CHUNK, dtype=q.dtype, device=device)
-    gcum = torch.empty(B * T, Hv, dtype=torch.float32, device=device)
-    compiled_wy_inverse(dtype)(k3, beta2, g2, cu, offsets, Ab, gcum, chunk_slots)
+    gcum = torch.empty(Hv, B * T, dtype=torch.float32, device=device)
+    compiled_wy_inverse(dtype)(k3, beta2, g2, cu, offsets, Ab, gcum, chunk_slots, N.bit_length())
 
     o = torch.empty(B * T, Hv, HEAD_DIM, dtype=q.dtype, device=device)
     placeholder = torch.empty(1, HEAD_DIM, HEAD_DIM, dtype=torch.float32, device=device)

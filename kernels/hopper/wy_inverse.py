@@ -3,14 +3,15 @@
 For every 64-token chunk of every packed sequence and every v-head h (reading k-head h // (Hv/Hqk)):
 
     Ab   = (I + StrictLower(diag(beta) K K^T))^{-1} diag(beta)        [64 x 64], stored in the input dtype
-    gcum = cumsum_{t <= r} g_t                                         [64], fp32, natural log
+    gcum = cumsum_{t <= r} g_t                                         [64], fp32, natural log,
+                                                                       stored head-major [Hv, T]
 
 diag(beta) is folded into the columns of A here because the forward only ever uses A diag(beta), and
 the gate factor Gamma commutes with that column scaling (Gamma o (A diag(beta)) = (Gamma o A) diag(beta)).
 No exp is computed: g stays natural log here; the fused forward converts it to base 2.
 
 Chunks never straddle sequences. CTA c of the grid finds its sequence by binary search in
-`chunk_offsets` (exclusive prefix sum of chunks per sequence); CTAs past the last chunk and rows past the
+`chunk_offsets` (exclusive prefix sum of chunks per sequence; `search_steps` = bit length of N); CTAs past the last chunk and rows past the
 end of a sequence write nothing. Rows past the end are loaded as zero keys, so they cannot reach the rows
 that exist (A is lower triangular).
 
@@ -27,7 +28,6 @@ import tilelang.language as T
 
 CHUNK = 64
 HEAD_DIM = 128
-SEARCH_STEPS = 31  # binary search depth over sequences: enough for any int32 count
 
 
 def build_wy_inverse(dtype: str):
@@ -46,8 +46,9 @@ def build_wy_inverse(dtype: str):
         cu_seqlens: T.Tensor((num_seqs + 1,), "int32"),
         chunk_offsets: T.Tensor((num_seqs + 1,), "int32"),
         Ab: T.Tensor((num_tokens, num_v_heads, C), dtype),
-        gcum: T.Tensor((num_tokens, num_v_heads), "float32"),
+        gcum: T.Tensor((num_v_heads, num_tokens), "float32"),
         num_chunk_slots: T.int32,
+        search_steps: T.int32,
     ):
         with T.Kernel(num_chunk_slots, num_v_heads, threads=128) as (chunk, h):
             hk = h // (num_v_heads // num_qk_heads)
@@ -73,7 +74,7 @@ def build_wy_inverse(dtype: str):
             hi = T.alloc_var("int32")
             lo = 0
             hi = num_seqs - 1
-            for _ in T.serial(SEARCH_STEPS):
+            for _ in T.serial(search_steps):
                 mid = (lo + hi + 1) // 2
                 if chunk_offsets[mid] <= chunk:
                     lo = mid
@@ -93,7 +94,7 @@ def build_wy_inverse(dtype: str):
             T.cumsum(src=g_sh, dst=g_sh, dim=0)
             for r in T.Parallel(C):
                 if r < n_rows:
-                    gcum[start + r, h] = g_sh[r]
+                    gcum[h, start + r] = g_sh[r]
 
             # --- L = StrictLower(diag(beta) K K^T) -------------------------------------------------
             T.gemm(K_sh, K_sh, KKt, transpose_B=True, clear_accum=True)

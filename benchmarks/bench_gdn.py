@@ -1,0 +1,272 @@
+"""Forward GDN chunked prefill on one GPU: flashqla (TileLang) vs FLA (Triton) vs FlashQLA, one process.
+
+Each implementation is warmed up (compiles), captured once in a CUDA graph and replayed; the time is the
+median over --reps replays measured with CUDA events. Intra-card CP is off for all three (FLA: no CP in
+this path; FlashQLA: auto_cp=False). Inputs are model-like (q, k L2-normalised, beta = sigmoid(randn),
+g = -A softplus(x + 1) with A ~ U(0.01, 16), a quarter of the heads at g = 0), bf16, K = V = 128.
+
+    python benchmarks/bench_gdn.py [--flashqla-configs all|none|0,3] [--out docs/benchmarks.md]
+
+FlashQLA JIT-compiles ~3 minutes per head/varlen configuration on first use, so by default it is timed on
+the first configuration only; FLA_FLASH_QLA=0 and FLA_DISABLE_BACKEND_DISPATCH=1 keep FLA on Triton.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import math
+import os
+import statistics
+import time
+
+os.environ.setdefault("FLA_FLASH_QLA", "0")
+os.environ.setdefault("FLA_DISABLE_BACKEND_DISPATCH", "1")
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+D = 128
+HBM_BYTES_PER_S = 4.3e12  # H200 copy bandwidth (design doc §6)
+BF16_FLOP_PER_S = 790e12  # H200 dense bf16 on random data (design doc §6)
+
+# (name, Hqk, Hv, sequence lengths): design doc §6 plus two equal-length batches
+CONFIGS = [
+    ("397B TP8", 2, 8, [32768]),
+    ("397B TP8", 2, 8, [16384]),
+    ("397B TP8", 2, 8, [24576, 8192]),
+    ("397B TP4", 4, 16, [32768]),
+    ("397B TP4", 4, 16, [16384]),
+    ("27B TP2", 8, 24, [32768]),
+    ("2B TP1", 16, 16, [32768]),
+    ("Sym h32", 32, 32, [32768]),
+    ("397B TP8", 2, 8, [4096] * 8),
+    ("397B TP1", 16, 64, [8192] * 4),
+]
+
+
+def make_inputs(Hqk, Hv, lengths, seed=0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    T = sum(lengths)
+    randn = lambda *s: torch.randn(*s, generator=gen, device="cuda")  # noqa: E731
+    q = F.normalize(randn(1, T, Hqk, D), dim=-1).bfloat16()
+    k = F.normalize(randn(1, T, Hqk, D), dim=-1).bfloat16()
+    v = randn(1, T, Hv, D).bfloat16()
+    beta = torch.sigmoid(randn(1, T, Hv)).bfloat16()
+    A = torch.empty(Hv, device="cuda").uniform_(0.01, 16, generator=gen)
+    g = -A * F.softplus(randn(1, T, Hv) + 1.0)
+    g[..., : Hv // 4] = 0.0
+    cu = torch.tensor([0] + lengths, device="cuda").cumsum(0).to(torch.int32)
+    return q, k, v, g, beta, cu
+
+
+def floors_us(Hqk, Hv, T):
+    """Memory floor (inputs read once, o written once) and bf16 tensor-core floor of the chunked forward."""
+    bytes_moved = T * (2 * Hqk * D * 2 + Hv * D * 2 * 2 + Hv * (4 + 2))
+    # per chunk and v-head: QK^T, KK^T (64x64x128), KS, QS (64x128x128), W Vd, P V' (64x64x128), K^T V'
+    flops = (T / 64) * Hv * 2 * 64 * 128 * (64 + 64 + 128 + 128 + 64 + 64 + 128)
+    return bytes_moved / HBM_BYTES_PER_S * 1e6, flops / BF16_FLOP_PER_S * 1e6
+
+
+def eager_median_ms(fn, reps):
+    times = []
+    for _ in range(reps):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        stop.record()
+        stop.synchronize()
+        times.append(start.elapsed_time(stop))
+    return statistics.median(times)
+
+
+def graph_median_ms(fn, reps):
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream):
+        fn()
+        torch.cuda.synchronize()
+        with torch.cuda.graph(graph, stream=stream):
+            fn()
+    torch.cuda.synchronize()
+    for _ in range(10):
+        graph.replay()
+    times = []
+    for _ in range(reps):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        stop.record()
+        stop.synchronize()
+        times.append(start.elapsed_time(stop))
+    return statistics.median(times)
+
+
+def impl_flashqla():
+    # the kernels' entry point: the public op validates cu_seqlens on the host (a sync that a CUDA graph
+    # capture rejects); FlashQLA is likewise timed through its internal forward
+    from flashqla.kernels.hopper import chunk_gdn_fwd
+
+    def run(q, k, v, g, beta, cu):
+        return chunk_gdn_fwd(q, k, v, g, beta, D ** -0.5, None, False, cu)
+    return run
+
+
+def impl_fla():
+    import functools
+    import inspect
+
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    has_cpu_cu = "cu_seqlens_cpu" in inspect.signature(chunk_gated_delta_rule).parameters
+    host_copy = functools.lru_cache(maxsize=4)(lambda cu: cu.long().cpu())  # outside any graph capture
+
+    def run(q, k, v, g, beta, cu):
+        if cu.numel() == 2:  # one sequence: the dense path, which needs no host copy of cu_seqlens
+            return chunk_gated_delta_rule(q, k, v, g, beta)
+        extra = {"cu_seqlens_cpu": host_copy(cu)} if has_cpu_cu else {}
+        return chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens=cu.long(), **extra)
+    return run
+
+
+def impl_flash_qla():
+    import inspect
+
+    from flash_qla import chunk_gated_delta_rule_fwd
+
+    params = inspect.signature(chunk_gated_delta_rule_fwd).parameters
+    no_cp = {"auto_cp": False} if "auto_cp" in params else {}
+
+    def run(q, k, v, g, beta, cu):
+        return chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale=D ** -0.5, cu_seqlens=cu.long(),
+                                          output_final_state=False, **no_cp)
+    return run
+
+
+def versions():
+    import importlib.metadata as md
+
+    out = {"torch": torch.__version__, "cuda": torch.version.cuda, "gpu": torch.cuda.get_device_name()}
+    for dist in ("tilelang", "flash-linear-attention", "fla-core", "flash-qla", "triton"):
+        try:
+            out[dist] = md.version(dist)
+        except md.PackageNotFoundError:
+            pass
+    return out
+
+
+def write_report(path, rows, vers, notes):
+    lines = [
+        "# Forward benchmark (H200)", "",
+        f"Date: {datetime.date.today()}; {', '.join(f'{k} {v}' for k, v in vers.items())}.", "",
+        "bf16, K = V = 128, forward only, intra-card CP off for all three, CUDA graph replay, median of "
+        "the replays (benchmarks/bench_gdn.py). Floors: inputs + output once at 4.3 TB/s; chunked-form "
+        "tensor-core FLOPs at 790 TFLOP/s.", "",
+        "| config | Hqk | Hv | seqlens | flashqla ms | FLA ms | FlashQLA ms | vs FLA | vs FlashQLA | mem floor us | MMA floor us |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    fmt = lambda x: "n/a" if x is None else f"{x:.3f}"  # noqa: E731
+    ratio = lambda a, b: "n/a" if a is None or b is None else f"{b / a:.2f}x"  # noqa: E731
+    for r in rows:
+        lines.append(f"| {r['name']} | {r['Hqk']} | {r['Hv']} | {r['seqs']} | {fmt(r['flashqla'])} | {fmt(r['fla'])} | "
+                     f"{fmt(r['flash_qla'])} | {ratio(r['flashqla'], r['fla'])} | {ratio(r['flashqla'], r['flash_qla'])} | "
+                     f"{r['mem_us']:.0f} | {r['mma_us']:.0f} |")
+    for key, label in (("fla", "FLA"), ("flash_qla", "FlashQLA")):
+        pairs = [(r["flashqla"], r[key]) for r in rows if r["flashqla"] and r[key]]
+        if pairs:
+            geo = math.exp(sum(math.log(b / a) for a, b in pairs) / len(pairs))
+            lines.append(f"\nGeomean speedup of flashqla over {label}: {geo:.2f}x over {len(pairs)} configs.")
+    lines += ["", *notes, ""]
+    with open(path, "w") as f:
+        f.write("\n".join(lines))
+    return "\n".join(lines)
+
+
+def plot(path, rows):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [f"{r['name']}\n{r['seqs']}" for r in rows]
+    width = 0.27
+    fig, ax = plt.subplots(figsize=(max(8, 1.2 * len(rows)), 4.5))
+    for i, (key, label) in enumerate((("flashqla", "flashqla"), ("fla", "FLA 0.6 Triton"), ("flash_qla", "FlashQLA 0.1.3"))):
+        xs = [j + (i - 1) * width for j in range(len(rows))]
+        ax.bar(xs, [r[key] or 0 for r in rows], width, label=label)
+    ax.set_xticks(range(len(rows)), labels, fontsize=7)
+    ax.set_ylabel("forward ms (lower is better)")
+    ax.set_title("GDN forward, H200, bf16, K = V = 128")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--reps", type=int, default=100)
+    ap.add_argument("--flashqla-configs", default="0", help="FlashQLA config indices ('all', 'none', '0,3')")
+    ap.add_argument("--configs", default="all", help="config indices to run ('all' or '0,3')")
+    ap.add_argument("--out", default="docs/benchmarks.md")
+    ap.add_argument("--png", default="docs/benchmarks_fwd.png")
+    args = ap.parse_args()
+    pick = lambda spec, n: set(range(n)) if spec == "all" else set() if spec == "none" else {int(x) for x in spec.split(",")}  # noqa: E731
+    run_idx = pick(args.configs, len(CONFIGS))
+    fq_idx = pick(args.flashqla_configs, len(CONFIGS))
+
+    impls = {"flashqla": impl_flashqla, "fla": impl_fla, "flash_qla": impl_flash_qla}
+    loaded, notes = {}, []
+    for key, make in impls.items():
+        try:
+            loaded[key] = make()
+        except Exception as exc:  # a peer missing from this machine is reported, not fatal
+            notes.append(f"- {key} unavailable: {exc.__class__.__name__}: {exc}")
+
+    rows = []
+    for i, (name, Hqk, Hv, seqs) in enumerate(CONFIGS):
+        if i not in run_idx:
+            continue
+        inputs = make_inputs(Hqk, Hv, seqs)
+        mem_us, mma_us = floors_us(Hqk, Hv, sum(seqs))
+        seq_label = f"{seqs[0]}x{len(seqs)}" if len(set(seqs)) == 1 else "+".join(map(str, seqs))
+        row = dict(name=name, Hqk=Hqk, Hv=Hv, seqs=seq_label, mem_us=mem_us, mma_us=mma_us)
+        for key in impls:
+            row[key] = None
+            if key not in loaded or (key == "flash_qla" and i not in fq_idx):
+                continue
+            try:
+                start = time.perf_counter()
+                loaded[key](*inputs)
+                torch.cuda.synchronize()
+                first = time.perf_counter() - start
+                fn = lambda: loaded[key](*inputs)  # noqa: E731
+                try:
+                    row[key] = graph_median_ms(fn, args.reps)
+                except Exception as exc:  # an implementation that syncs with the host cannot be captured
+                    torch.cuda.synchronize()
+                    row[key] = eager_median_ms(fn, args.reps)
+                    notes.append(f"- {key} on {name} {seq_label}: timed without CUDA graph "
+                                 f"({exc.__class__.__name__}: {str(exc)[:80]})")
+                if first > 5:
+                    notes.append(f"- {key} first call on {name} {seq_label}: {first:.1f} s (JIT compile)")
+            except Exception as exc:
+                notes.append(f"- {key} failed on {name} {seq_label}: {exc.__class__.__name__}: {str(exc)[:200]}")
+        rows.append(row)
+        print(f"{name:9s} ({Hqk:2d},{Hv:2d}) {seq_label:12s} flashqla {row['flashqla']} FLA {row['fla']} "
+              f"FlashQLA {row['flash_qla']}  floors mem {mem_us:.0f} us mma {mma_us:.0f} us", flush=True)
+        del inputs
+        torch.cuda.empty_cache()
+
+    report = write_report(args.out, rows, versions(), notes)
+    print(report)
+    try:
+        plot(args.png, rows)
+    except Exception as exc:
+        print(f"no plot: {exc}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# One H200 session for the TileLang forward kernels: GPU tests, cold-compile time, forward benchmark.
+# Run from the repo root on the device machine with `.devsite` and `.tilelang_cache` carried; logs go to
+# $OUT. Usage: scripts/device_kernels.sh [tests|cold|bench|all] [extra bench_gdn.py arguments...]
+set -uo pipefail
+what=${1:-all}
+shift || true
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT" /tmp/s
+tar xJf .devsite/site.tar.xz -C /tmp/s
+export PYTHONPATH=/tmp/s/site:$PWD PYTHONUNBUFFERED=1
+export TILELANG_CACHE_DIR=$PWD/.tilelang_cache
+python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >"$OUT/pip.log" 2>&1 || { cat "$OUT/pip.log"; exit 1; }
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv | tee "$OUT/gpu.txt"
+
+if [[ $what == tests || $what == all ]]; then
+  timeout 300 python3 -m pytest -q -rA tests/gpu/test_tilelang_forward.py 2>&1 | tee "$OUT/tests.log" | tail -30
+fi
+
+if [[ $what == cold || $what == all ]]; then
+  # cold compile of the whole forward for one head configuration, empty cache, fresh process
+  TILELANG_CACHE_DIR=/tmp/cold_cache timeout 200 python3 - <<'EOF' 2>&1 | tee "$OUT/cold_compile.log"
+import time, torch
+t0 = time.perf_counter()
+from flashqla.kernels.hopper import chunk_gdn_fwd
+q = torch.randn(1, 4096, 2, 128, device="cuda", dtype=torch.bfloat16)
+v = torch.randn(1, 4096, 8, 128, device="cuda", dtype=torch.bfloat16)
+g = -torch.rand(1, 4096, 8, device="cuda")
+beta = torch.rand(1, 4096, 8, device="cuda", dtype=torch.bfloat16)
+chunk_gdn_fwd(q, q, v, g, beta, 128 ** -0.5, None, True, None)
+torch.cuda.synchronize()
+print(f"cold compile + first forward (Hqk=2, Hv=8, bf16): {time.perf_counter() - t0:.1f} s")
+EOF
+fi
+
+if [[ $what == bench || $what == all ]]; then
+  tag=${BENCH_TAG:-}
+  timeout "${BENCH_TIMEOUT:-540}" python3 benchmarks/bench_gdn.py --out "$OUT/benchmarks$tag.md" \
+    --png "$OUT/benchmarks_fwd$tag.png" "$@" 2>&1 | tee "$OUT/bench$tag.log" | grep -v "^\s*$" | tail -40
+fi
