@@ -21,7 +21,7 @@ from torch import nn
 from ..ops import chunk_gated_delta_rule
 from ..ops.checks import check_cu_seqlens
 from .conv import causal_conv1d
-from .halo import exchange_conv_halo
+from .halo import halo_prefix
 from .norm import GatedRMSNorm
 
 
@@ -105,8 +105,8 @@ class GatedDeltaNet(nn.Module):
         cu_seqlens: int offsets of sequences packed in a [1, T, hidden] input (not with attention_mask).
         state: a GatedDeltaNetState to continue from; it is updated in place to the state after
             this call (so prefill(x1) then forward(x2) equals one pass over x1 ++ x2).
-        cp_context: sequence parallelism over a contiguous split of a [1, T_local, hidden] pack; the
-            context provides group, rank, world_size, the local cu_seqlens and first_seq_continues.
+        cp_context: sequence parallelism: this rank holds the parts of a [1, T, hidden] pack that the
+            context names (flashqla.cp.build_cp_context; contiguous or zigzag layout), as [1, T_local, hidden].
         """
         B, T = self._check_call(hidden_states, attention_mask, cu_seqlens, state, cp_context)
         if attention_mask is None:
@@ -131,14 +131,15 @@ class GatedDeltaNet(nn.Module):
         conv_cu = cu_seqlens
         if conv_cu is None:  # every batch row is one sequence
             conv_cu = torch.arange(B + 1, device=x.device) * T
-        prefix = self._conv_prefix(qkv, conv_cu, state, cp_context)
+        prefix = self._conv_prefix(qkv, state, cp_context)
         qkv, conv_tail = causal_conv1d(qkv, self.conv1d.weight[:, 0, :], conv_cu, prefix)
         q, k, v = qkv.reshape(B, T, self.conv_dim).split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q = q.reshape(B, T, self.num_k_heads, self.head_k_dim)
         k = k.reshape(B, T, self.num_k_heads, self.head_k_dim)
         v = v.reshape(B, T, self.num_v_heads, self.head_v_dim)
 
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
+        gate_dtype = torch.promote_types(a.dtype, torch.float32)  # fp32 at least (fp64 layers stay fp64)
+        g = -self.A_log.to(gate_dtype).exp() * F.softplus(a.to(gate_dtype) + self.dt_bias.to(gate_dtype))
         beta = b.sigmoid()
         o, final_state = chunk_gated_delta_rule(
             q, k, v, g, beta,
@@ -165,16 +166,13 @@ class GatedDeltaNet(nn.Module):
         z = z.reshape(B, T, self.num_v_heads, self.head_v_dim)
         return q, k, v, z, b.reshape(B, T, self.num_v_heads), a.reshape(B, T, self.num_v_heads)
 
-    def _conv_prefix(self, qkv, conv_cu, state, cp_context):
+    def _conv_prefix(self, qkv, state, cp_context):
         """The W - 1 rows each sequence's conv reads before its first token, [N, W - 1, conv_dim] or None."""
-        halo = self.conv_kernel_size - 1
         if state is not None and state.conv_state is not None:
             return state.conv_state.transpose(1, 2)
-        if cp_context is None:
-            return None
-        received = exchange_conv_halo(qkv, cp_context, halo)  # zeros unless the first sequence continues
-        fresh = qkv.new_zeros(conv_cu.numel() - 2, halo, self.conv_dim)
-        return torch.cat([received[None], fresh])
+        if cp_context is not None:  # the neighbour parts' tails where a sequence continues, zeros elsewhere
+            return halo_prefix(qkv, cp_context, self.conv_kernel_size - 1)
+        return None
 
     def _check_call(self, hidden_states, attention_mask, cu_seqlens, state, cp_context):
         if not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() != 3:
