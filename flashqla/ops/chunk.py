@@ -74,17 +74,8 @@ def chunk_gated_delta_rule(
                                 use_qk_l2norm_in_kernel, backend, intra_cp, cp_warmup, cp_context)
     bounds = check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, backend)
     check_cp_arguments(intra_cp, cp_warmup)
-    if scale is None:
-        scale = q.shape[-1] ** -0.5
-    if use_qk_l2norm_in_kernel:
-        q, k = l2norm(q), l2norm(k)
-    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
-    plan = make_plan(q.shape[0], q.shape[1], bounds, 0)
-    segment_chunks = resolve_segment_chunks(intra_cp, plan.lengths, v.shape[2], q.device)
-    if segment_chunks:
-        plan = make_plan(q.shape[0], q.shape[1], bounds, segment_chunks)
-    call = backends.Call(q, k, v, g, beta, initial_state, cu_seqlens, plan.is_segmented)
-    name = backends.choose(backend, call)
+    scale, q, k, v, g, beta = _prepare(scale, use_qk_l2norm_in_kernel, q, k, v, g, beta)
+    plan, name = _plan_and_backend(q, k, v, g, beta, initial_state, cu_seqlens, bounds, backend, intra_cp)
     return ChunkGatedDeltaRuleFunction.apply(
         q, k, v, g, beta, initial_state, float(scale), bool(output_final_state), cu_seqlens, plan, cp_warmup, name
     )
@@ -103,15 +94,35 @@ def _with_cp_context(q, k, v, g, beta, scale, initial_state, output_final_state,
     except (TypeError, ValueError) as exc:
         error = str(exc)
     inter.agree_on_call(cp_context, error, q, v)
+    scale, q, k, v, g, beta = _prepare(scale, use_qk_l2norm_in_kernel, q, k, v, g, beta)
+    plan, name = _plan_and_backend(q, k, v, g, beta, None, cp_context.cu_seqlens, list(cp_context.local_bounds),
+                                   backend, intra_cp)
+    o = inter.InterCardCPFunction.apply(q, k, v, g, beta, float(scale), cp_context, plan, cp_warmup, name)
+    return o, None
+
+
+def _prepare(scale, use_qk_l2norm_in_kernel, q, k, v, g, beta):
+    """Default scale, optional L2 norm of q and k, contiguous inputs."""
     if scale is None:
         scale = q.shape[-1] ** -0.5
     if use_qk_l2norm_in_kernel:
         q, k = l2norm(q), l2norm(k)
-    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
-    plan = make_plan(1, q.shape[1], list(cp_context.local_bounds), 0)
-    segment_chunks = resolve_segment_chunks(intra_cp, plan.lengths, v.shape[2], q.device)
-    if segment_chunks:
-        plan = make_plan(1, q.shape[1], list(cp_context.local_bounds), segment_chunks)
-    name = backends.choose(backend, backends.Call(q, k, v, g, beta, None, cp_context.cu_seqlens, plan.is_segmented))
-    o = inter.InterCardCPFunction.apply(q, k, v, g, beta, float(scale), cp_context, plan, cp_warmup, name)
-    return o, None
+    return (float(scale),) + tuple(x.contiguous() for x in (q, k, v, g, beta))
+
+
+def _plan_and_backend(q, k, v, g, beta, initial_state, cu_seqlens, bounds, backend, intra_cp):
+    """The intra-card segmentation plan and the backend that runs it.
+
+    A forced segment length (int) needs a backend that segments; "auto" asks the planner only for a
+    backend that can use its plan (the TileLang kernels do not segment yet, so "auto" is off there).
+    """
+    batch, seq_len = q.shape[:2]
+    plan = make_plan(batch, seq_len, bounds, 0)
+    forced = not isinstance(intra_cp, str)
+    call = backends.Call(q, k, v, g, beta, initial_state, cu_seqlens, segmented=forced)
+    name = backends.choose(backend, call)
+    if forced or (intra_cp == "auto" and name == "torch"):
+        segment_chunks = resolve_segment_chunks(intra_cp, plan.lengths, v.shape[2], q.device)
+        if segment_chunks:
+            plan = make_plan(batch, seq_len, bounds, segment_chunks)
+    return plan, name
