@@ -52,6 +52,8 @@ def causal_conv1d(x, weight, cu_seqlens, prefix=None, silu=True):
         return x.new_zeros(0, C), extended[tail_rows]
     # one unpadded depthwise conv over the whole extended pack: output column i is the window that
     # ends at extended row i + W - 1; windows that straddle two segments are computed and dropped
-    windows = F.conv1d(extended.T[None], weight[:, None, :].to(x.dtype), groups=C)[0]
-    y = windows[:, token_row - (width - 1)].T
+    # (explicit contiguous copies both ways: gathering columns of the channel-first output instead is
+    # ~4x slower fwd+bwd on H200)
+    windows = F.conv1d(extended.T.contiguous()[None], weight[:, None, :].to(x.dtype), groups=C)[0].T.contiguous()
+    y = windows[token_row - (width - 1)]
     return (F.silu(y) if silu else y), extended[tail_rows]
