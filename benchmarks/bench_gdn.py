@@ -115,6 +115,22 @@ def impl_flashqla():
     return run
 
 
+def impl_flashqla_autocp():
+    # the public op (tilelang backend) with intra-card CP planned by flashqla.cp.plan; cu_seqlens is
+    # validated on the host once per tensor (cached), so the warmed-up call can be graph-captured
+    import flashqla
+
+    def run(q, k, v, g, beta, cu):
+        return flashqla.chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens=cu, backend="tilelang", intra_cp="auto")
+    return run
+
+
+def planned_segment_chunks(Hv, seqs):
+    from flashqla.cp.plan import resolve_segment_chunks
+
+    return resolve_segment_chunks("auto", tuple(seqs), Hv, torch.device("cuda"))
+
+
 def impl_fla():
     import functools
     import inspect
@@ -165,20 +181,23 @@ def write_report(path, rows, vers, notes):
         "bf16, K = V = 128, forward only, intra-card CP off for all three, CUDA graph replay, median of "
         "the replays (benchmarks/bench_gdn.py). Floors: inputs + output once at 4.3 TB/s; chunked-form "
         "tensor-core FLOPs at 790 TFLOP/s.", "",
-        "| config | Hqk | Hv | seqlens | flashqla ms | FLA ms | FlashQLA ms | vs FLA | vs FlashQLA | mem floor us | MMA floor us |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "flashqla+CP: the public op with intra_cp='auto' (L = chunks per segment the planner chose, 0 = off).", "",
+        "| config | Hqk | Hv | seqlens | flashqla ms | flashqla+CP ms (L) | FLA ms | FlashQLA ms | best vs FLA | best vs FlashQLA | mem floor us | MMA floor us |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     fmt = lambda x: "n/a" if x is None else f"{x:.3f}"  # noqa: E731
     ratio = lambda a, b: "n/a" if a is None or b is None else f"{b / a:.2f}x"  # noqa: E731
     for r in rows:
-        lines.append(f"| {r['name']} | {r['Hqk']} | {r['Hv']} | {r['seqs']} | {fmt(r['flashqla'])} | {fmt(r['fla'])} | "
-                     f"{fmt(r['flash_qla'])} | {ratio(r['flashqla'], r['fla'])} | {ratio(r['flashqla'], r['flash_qla'])} | "
+        r["best"] = min([t for t in (r["flashqla"], r["flashqla_cp"]) if t], default=None)
+        lines.append(f"| {r['name']} | {r['Hqk']} | {r['Hv']} | {r['seqs']} | {fmt(r['flashqla'])} | "
+                     f"{fmt(r['flashqla_cp'])} ({r['L']}) | {fmt(r['fla'])} | {fmt(r['flash_qla'])} | "
+                     f"{ratio(r['best'], r['fla'])} | {ratio(r['best'], r['flash_qla'])} | "
                      f"{r['mem_us']:.0f} | {r['mma_us']:.0f} |")
     for key, label in (("fla", "FLA"), ("flash_qla", "FlashQLA")):
-        pairs = [(r["flashqla"], r[key]) for r in rows if r["flashqla"] and r[key]]
+        pairs = [(r["flashqla_cp"], r[key]) for r in rows if r["flashqla_cp"] and r[key]]
         if pairs:
             geo = math.exp(sum(math.log(b / a) for a, b in pairs) / len(pairs))
-            lines.append(f"\nGeomean speedup of flashqla over {label}: {geo:.2f}x over {len(pairs)} configs.")
+            lines.append(f"\nGeomean speedup of flashqla (public op, AutoCP) over {label}: {geo:.2f}x over {len(pairs)} configs.")
     lines += ["", *notes, ""]
     with open(path, "w") as f:
         f.write("\n".join(lines))
@@ -192,10 +211,11 @@ def plot(path, rows):
     import matplotlib.pyplot as plt
 
     labels = [f"{r['name']}\n{r['seqs']}" for r in rows]
-    width = 0.27
     fig, ax = plt.subplots(figsize=(max(8, 1.2 * len(rows)), 4.5))
-    for i, (key, label) in enumerate((("flashqla", "flashqla"), ("fla", "FLA 0.6 Triton"), ("flash_qla", "FlashQLA 0.1.3"))):
-        xs = [j + (i - 1) * width for j in range(len(rows))]
+    width = 0.2
+    for i, (key, label) in enumerate((("flashqla", "flashqla"), ("flashqla_cp", "flashqla AutoCP"),
+                                      ("fla", "FLA 0.6 Triton"), ("flash_qla", "FlashQLA 0.1.3"))):
+        xs = [j + (i - 1.5) * width for j in range(len(rows))]
         ax.bar(xs, [r[key] or 0 for r in rows], width, label=label)
     ax.set_xticks(range(len(rows)), labels, fontsize=7)
     ax.set_ylabel("forward ms (lower is better)")
@@ -217,7 +237,7 @@ def main():
     run_idx = pick(args.configs, len(CONFIGS))
     fq_idx = pick(args.flashqla_configs, len(CONFIGS))
 
-    impls = {"flashqla": impl_flashqla, "fla": impl_fla, "flash_qla": impl_flash_qla}
+    impls = {"flashqla": impl_flashqla, "flashqla_cp": impl_flashqla_autocp, "fla": impl_fla, "flash_qla": impl_flash_qla}
     loaded, notes = {}, []
     for key, make in impls.items():
         try:
@@ -232,7 +252,8 @@ def main():
         inputs = make_inputs(Hqk, Hv, seqs)
         mem_us, mma_us = floors_us(Hqk, Hv, sum(seqs))
         seq_label = f"{seqs[0]}x{len(seqs)}" if len(set(seqs)) == 1 else "+".join(map(str, seqs))
-        row = dict(name=name, Hqk=Hqk, Hv=Hv, seqs=seq_label, mem_us=mem_us, mma_us=mma_us)
+        row = dict(name=name, Hqk=Hqk, Hv=Hv, seqs=seq_label, mem_us=mem_us, mma_us=mma_us,
+                   L=planned_segment_chunks(Hv, seqs))
         for key in impls:
             row[key] = None
             if key not in loaded or (key == "flash_qla" and i not in fq_idx):
@@ -255,7 +276,8 @@ def main():
             except Exception as exc:
                 notes.append(f"- {key} failed on {name} {seq_label}: {exc.__class__.__name__}: {str(exc)[:200]}")
         rows.append(row)
-        print(f"{name:9s} ({Hqk:2d},{Hv:2d}) {seq_label:12s} flashqla {row['flashqla']} FLA {row['fla']} "
+        print(f"{name:9s} ({Hqk:2d},{Hv:2d}) {seq_label:12s} flashqla {row['flashqla']} +CP(L={row['L']}) "
+              f"{row['flashqla_cp']} FLA {row['fla']} "
               f"FlashQLA {row['flash_qla']}  floors mem {mem_us:.0f} us mma {mma_us:.0f} us", flush=True)
         del inputs
         torch.cuda.empty_cache()

@@ -114,3 +114,45 @@ def test_bad_cp_warmup(value, error):
     args = make_inputs(1, 8, 1, 1, 16, 16, requires_grad=False)
     with pytest.raises(error, match="cp_warmup"):
         flashqla.chunk_gated_delta_rule(**args, cp_warmup=value)
+
+
+def whole_sequence_forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens):
+    """Stands in for the TileLang kernels: a forward that knows nothing about segments."""
+    from flashqla.ops import torch_backend
+
+    plan = torch_backend.make_plan(q.shape[0], q.shape[1], cu_seqlens.tolist(), 0)
+    return torch_backend.forward(q, k, v, g, beta, scale, initial_state, output_final_state, plan)
+
+
+def composed(args, cu, segment_chunks, cp_warmup):
+    from flashqla.cp.segments import segmented_forward
+    from flashqla.ops import torch_backend
+
+    q = args["q"]
+    plan = torch_backend.make_plan(q.shape[0], q.shape[1], None if cu is None else cu.tolist(), segment_chunks)
+    assert plan.is_segmented
+    return segmented_forward(whole_sequence_forward, args["q"], args["k"], args["v"], args["g"], args["beta"], 0.25,
+                             args.get("initial_state"), True, plan, cp_warmup)
+
+
+def test_segments_as_packed_sequences_equal_unsegmented_in_exact_mode():
+    lengths = [300, 1, 200, 64, 129]
+    cu = random_cu_seqlens(lengths)
+    args = make_inputs(1, sum(lengths), 2, 4, 16, 32, num_seqs=len(lengths), with_h0=True, zero_heads=(0,),
+                       strong_heads=(3,), seed=21, requires_grad=False)
+    o_ref, ht_ref = flashqla.chunk_gated_delta_rule(**args, scale=0.25, cu_seqlens=cu, output_final_state=True)
+    o, ht = composed(args, cu, 1, None)
+    assert rel_err(o, o_ref) <= 1e-5 and rel_err(ht, ht_ref) <= 1e-5
+
+
+def test_segments_as_packed_sequences_warm_up_over_the_previous_segment():
+    # head 1 decays by -0.02 per token: -10.24 over an 8-chunk segment, just past the -10 threshold
+    args = make_inputs(2, 64 * 24, 1, 2, 16, 16, dtype=torch.float64, with_h0=True, zero_heads=(0,), seed=22,
+                       requires_grad=False)
+    args["g"][..., 1] = -0.02
+    o_ref, ht_ref = flashqla.chunk_gated_delta_rule(**args, scale=0.25, output_final_state=True)
+    o, ht = composed(args, None, 8, -10.0)
+    assert rel_err(o[:, :, 0], o_ref[:, :, 0]) <= 1e-12  # g = 0: the exact chain
+    err = rel_err(o[:, :, 1], o_ref[:, :, 1])
+    assert 1e-12 < err <= 1e-4, err  # the warmup replaced the chain, within the bound
+    assert rel_err(ht, ht_ref) <= 1e-4

@@ -171,7 +171,7 @@ def _final_state_from_zero(q, k, v, g, beta, scale):
 
 
 def _local_forward(q, k, v, g, beta, scale, initial_state, plan, cp_warmup, backend):
-    call = backends.Call(q, k, v, g, beta, initial_state, None, plan.is_segmented)
+    call = backends.Call(q, k, v, g, beta, initial_state, None)
     o, _ = backends.forward(backend, call, scale, False, plan, cp_warmup)
     return o
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..cp import segments
 from . import torch_backend
 
 log = logging.getLogger("flashqla")
@@ -23,7 +24,6 @@ class Call:
     beta: torch.Tensor
     initial_state: torch.Tensor | None
     cu_seqlens: torch.Tensor | None
-    segmented: bool = False  # the intra-card CP plan cuts at least one sequence
 
 
 @functools.lru_cache(maxsize=None)
@@ -51,8 +51,6 @@ def tilelang_unsupported_reason(call: Call) -> str | None:
     hopper, reason = _hopper_kernels()
     if reason:
         return reason
-    if call.segmented:
-        return "intra-card CP segmentation is not in the TileLang kernels yet"
     return hopper.unsupported_reason(call.q, call.k, call.v, call.g, call.beta, call.initial_state, call.cu_seqlens)
 
 
@@ -81,6 +79,9 @@ def forward(name: str, call: Call, scale: float, output_final_state: bool, plan,
     c = call
     if name == "tilelang":
         hopper, _ = _hopper_kernels()
+        if plan.is_segmented:  # segments run as packed sequences (flashqla/cp/segments.py)
+            return segments.segmented_forward(hopper.chunk_gdn_fwd, c.q, c.k, c.v, c.g, c.beta, scale, c.initial_state,
+                                              output_final_state, plan, cp_warmup)
         return hopper.chunk_gdn_fwd(c.q, c.k, c.v, c.g, c.beta, scale, c.initial_state, output_final_state, c.cu_seqlens)
     return torch_backend.forward(c.q, c.k, c.v, c.g, c.beta, scale, c.initial_state, output_final_state, plan, cp_warmup)
 

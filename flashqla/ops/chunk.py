@@ -14,7 +14,7 @@ class ChunkGatedDeltaRuleFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, g, beta, initial_state, scale, output_final_state, cu_seqlens, plan, cp_warmup, backend):
-        call = backends.Call(q, k, v, g, beta, initial_state, cu_seqlens, plan.is_segmented)
+        call = backends.Call(q, k, v, g, beta, initial_state, cu_seqlens)
         o, final_state = backends.forward(backend, call, scale, output_final_state, plan, cp_warmup)
         ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens)
         # the backward reuses this call's segmentation plan, so both directions cut the same way
@@ -24,7 +24,7 @@ class ChunkGatedDeltaRuleFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do, dht):
         q, k, v, g, beta, initial_state, cu_seqlens = ctx.saved_tensors
-        call = backends.Call(q, k, v, g, beta, initial_state, cu_seqlens, ctx.plan.is_segmented)
+        call = backends.Call(q, k, v, g, beta, initial_state, cu_seqlens)
         dq, dk, dv, dg, dbeta, dh0 = backends.backward(ctx.backend, call, ctx.scale, ctx.plan, ctx.cp_warmup,
                                                        do.contiguous(), dht)
         return dq, dk, dv, dg, dbeta, dh0, None, None, None, None, None, None
@@ -111,18 +111,11 @@ def _prepare(scale, use_qk_l2norm_in_kernel, q, k, v, g, beta):
 
 
 def _plan_and_backend(q, k, v, g, beta, initial_state, cu_seqlens, bounds, backend, intra_cp):
-    """The intra-card segmentation plan and the backend that runs it.
-
-    A forced segment length (int) needs a backend that segments; "auto" asks the planner only for a
-    backend that can use its plan (the TileLang kernels do not segment yet, so "auto" is off there).
-    """
+    """The backend that runs the call and its intra-card segmentation plan (flashqla/cp/plan.py)."""
     batch, seq_len = q.shape[:2]
+    name = backends.choose(backend, backends.Call(q, k, v, g, beta, initial_state, cu_seqlens))
     plan = make_plan(batch, seq_len, bounds, 0)
-    forced = not isinstance(intra_cp, str)
-    call = backends.Call(q, k, v, g, beta, initial_state, cu_seqlens, segmented=forced)
-    name = backends.choose(backend, call)
-    if forced or (intra_cp == "auto" and name == "torch"):
-        segment_chunks = resolve_segment_chunks(intra_cp, plan.lengths, v.shape[2], q.device)
-        if segment_chunks:
-            plan = make_plan(batch, seq_len, bounds, segment_chunks)
+    segment_chunks = resolve_segment_chunks(intra_cp, plan.lengths, v.shape[2], q.device)
+    if segment_chunks:
+        plan = make_plan(batch, seq_len, bounds, segment_chunks)
     return plan, name
