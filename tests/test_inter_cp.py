@@ -106,3 +106,23 @@ def _errors_raise_on_every_rank(rank, world):
 @pytest.mark.multiprocess
 def test_mismatched_contexts_and_bad_calls_raise_on_every_rank_instead_of_hanging():
     run_on_ranks(2, _errors_raise_on_every_rank)
+
+
+def _kernel_like_local_forward(rank, world):
+    """The TileLang kernels know only cu_seqlens and initial_state (no segmentation plan): run the
+    local forward through such a stand-in and check CP still equals the single-process run."""
+    from flashqla.ops import backends, torch_backend
+
+    def whole_sequence_forward(name, call, scale, output_final_state, plan, cp_warmup):
+        c = call
+        bounds = None if c.cu_seqlens is None else c.cu_seqlens.tolist()
+        own_plan = torch_backend.make_plan(c.q.shape[0], c.q.shape[1], bounds, 0)
+        return torch_backend.forward(c.q, c.k, c.v, c.g, c.beta, scale, c.initial_state, output_final_state, own_plan)
+
+    backends.forward = whole_sequence_forward
+    _cp_equals_single_process(rank, world, [100, 1, 150, 3, 130], "contiguous", "off", (1, 2), torch.float32, 1e-5)
+
+
+@pytest.mark.multiprocess
+def test_local_forward_gets_the_local_offsets_like_a_kernel_needs():
+    run_on_ranks(2, _kernel_like_local_forward)

@@ -112,7 +112,7 @@ class InterCardCPFunction(torch.autograd.Function):
         exchange = _Exchange(cp, S_star, M)
         # while the summaries travel: every sequence that starts on this rank (zero initial state)
         initial_state = q.new_zeros((len(cp.local_bounds) - 1, Hv, K, V), dtype=dtype)
-        o = _local_forward(q, k, v, g, beta, scale, initial_state, plan, cp_warmup, backend)
+        o = _local_forward(q, k, v, g, beta, scale, initial_state, cp.cu_seqlens, plan, cp_warmup, backend)
         states, mats = exchange.wait()
         S_enter = _fold_forward(cp, states, mats)
         for piece in cp.pieces:
@@ -121,7 +121,7 @@ class InterCardCPFunction(torch.autograd.Function):
                 initial_state[n] = S_enter[piece.index]
                 s, e = _sequence_span(cp, n)
                 o[:, s:e] = _local_forward(*[_span(t, s, e) for t in (q, k, v, g, beta)], scale,
-                                           initial_state[n:n + 1], _sub_plan(plan, s, e), cp_warmup, backend)
+                                           initial_state[n:n + 1], None, _sub_plan(plan, s, e), cp_warmup, backend)
         ctx.save_for_backward(q, k, v, g, beta, initial_state)
         ctx.scale, ctx.cp, ctx.plan, ctx.cp_warmup, ctx.backend = scale, cp, plan, cp_warmup, backend
         return o
@@ -170,8 +170,8 @@ def _final_state_from_zero(q, k, v, g, beta, scale):
     return S_final
 
 
-def _local_forward(q, k, v, g, beta, scale, initial_state, plan, cp_warmup, backend):
-    call = backends.Call(q, k, v, g, beta, initial_state, None)
+def _local_forward(q, k, v, g, beta, scale, initial_state, cu_seqlens, plan, cp_warmup, backend):
+    call = backends.Call(q, k, v, g, beta, initial_state, cu_seqlens)
     o, _ = backends.forward(backend, call, scale, False, plan, cp_warmup)
     return o
 
