@@ -19,8 +19,9 @@ setup(
     package_dir={"flashqla.kernels": "kernels"},
     install_requires=["torch>=2.4"],
     extras_require={
-        "test": ["pytest>=7", "numpy", "transformers==5.23.0"],
-        "tilelang": ["tilelang==0.1.15"],
+        # the tests compile every kernel configuration for sm_90a (nvcc only, no GPU needed)
+        "test": ["pytest>=7", "numpy", "transformers==5.23.0", "tilelang==0.1.15", "apache-tvm-ffi>=0.1.11,<0.1.13"],
+        "tilelang": ["tilelang==0.1.15", "apache-tvm-ffi>=0.1.11,<0.1.13"],
         "megatron": ["megatron-core>=0.19,<0.20"],
         "deepspeed": ["deepspeed>=0.19,<0.20"],
         "hf": ["transformers>=4.57"],

@@ -1,5 +1,6 @@
 """flashqla: Gated DeltaNet chunked prefill for Hopper, with exact context parallelism."""
+from .layers import GatedDeltaNet, GatedDeltaNetState
 from .ops import chunk_gated_delta_rule
 
 __version__ = "0.1.0"
-__all__ = ["chunk_gated_delta_rule", "__version__"]
+__all__ = ["GatedDeltaNet", "GatedDeltaNetState", "chunk_gated_delta_rule", "__version__"]

@@ -116,3 +116,11 @@ def test_gradcheck_float64():
         return o, ht
 
     assert torch.autograd.gradcheck(fn, tuple(args[n] for n in names), eps=1e-6, atol=1e-6, rtol=1e-5)
+
+
+def test_zero_tokens_pass_the_state_through_forward_and_backward():
+    args = make_inputs(1, 0, 1, 2, 16, 16, with_h0=True)
+    o, ht = flashqla.chunk_gated_delta_rule(**args, output_final_state=True)
+    assert o.shape == (1, 0, 2, 16) and torch.equal(ht, args["initial_state"])
+    (o.sum() + (ht * 2).sum()).backward()
+    assert torch.equal(args["initial_state"].grad, torch.full_like(ht, 2.0))

@@ -83,7 +83,7 @@ def backward(q, k, v, g, beta, scale, initial_state, plan: SegmentPlan, do, dht,
 
     def to_qk_heads(dx):  # sum, in the work dtype, the GQA group of v-heads that read each q/k head
         dx = _from_grid(p.grid, dx, B)
-        return dx.reshape(dx.shape[:2] + (Hqk, -1) + dx.shape[3:]).sum(3)
+        return dx.reshape(dx.shape[:2] + (Hqk, dx.shape[2] // Hqk) + dx.shape[3:]).sum(3)
 
     dq, dk = to_qk_heads(dq).to(q.dtype), to_qk_heads(dk).to(k.dtype)
     dv = _from_grid(p.grid, dv, B).to(v.dtype)
