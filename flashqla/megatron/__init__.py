@@ -13,6 +13,7 @@ except ImportError as err:  # pragma: no cover - exercised in the 3.11 venv test
         "scripts/megatron_venv.sh."
     ) from err
 
+from flashqla.megatron.config import StatePassingTransformerConfig
 from flashqla.megatron.gdn import CP_MODES, GatedDeltaNet
 from flashqla.megatron.specs import (
     get_flashqla_gpt_block_spec,
@@ -24,6 +25,7 @@ from flashqla.megatron.specs import (
 __all__ = [
     "CP_MODES",
     "GatedDeltaNet",
+    "StatePassingTransformerConfig",
     "get_flashqla_gpt_block_spec",
     "get_flashqla_hybrid_stack_spec",
     "get_local_gdn_module_spec",

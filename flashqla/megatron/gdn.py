@@ -15,10 +15,17 @@ CP all-to-all helpers. It changes three things:
   conv, so the module builds and runs without FLA installed and handles packed sequences on any
   device (Megatron's deterministic-mode `F.conv1d` cannot see `cu_seqlens`).
 
-Context parallelism: `cp_mode="head_a2a"` is Megatron's scheme (all-to-all from sequence shards to
-head shards around the kernel, CP size bound by the head count). `cp_mode="state_passing"` is where
-flashqla's inter-card CP (`flashqla.cp.build_cp_context`, S0 state passing, no head split) plugs in:
-see `_state_passing_cp_context`.
+Context parallelism (`cp_mode`):
+
+* "head_a2a": Megatron's scheme. An all-to-all turns the [s/cp] sequence shards into [s] sequences of
+  1/cp of the heads around the kernel (and back after the gated norm); CP size must divide the head
+  counts.
+* "state_passing": flashqla's inter-card CP. Every rank keeps its tokens and all of its TP rank's heads;
+  the kernel chains the recurrent state S0 across the CP group (`flashqla.cp`, design doc section 3)
+  and the short conv reads the W - 1 rows before each part from the rank that holds them
+  (`flashqla.layers.halo`). Megatron's load-balanced order (every sequence cut into 2*cp chunks, rank r
+  holding chunks r and 2cp-1-r) is the context's "zigzag_per_sequence" layout, for padded rows and
+  packed sequences alike. CP size is not bound by the head count (see `StatePassingTransformerConfig`).
 """
 import contextlib
 from functools import partial
@@ -39,6 +46,8 @@ from megatron.core.ssm.gated_delta_net.gdn import GatedDeltaNet as MegatronGated
 
 import flashqla
 from flashqla.layers.conv import causal_conv1d
+from flashqla.layers.halo import halo_prefix
+from flashqla.megatron.cp_contexts import host_offsets, state_passing_context
 
 CP_MODES = ("head_a2a", "state_passing")
 
@@ -68,18 +77,42 @@ class GatedDeltaNet(MegatronGatedDeltaNet):
             raise ValueError(f"kernel_backend must be 'auto', 'torch' or 'tilelang', got {kernel_backend!r}")
         if cp_mode not in CP_MODES:
             raise ValueError(f"cp_mode must be one of {CP_MODES}, got {cp_mode!r}")
+        self.cp_mode = cp_mode  # read by _setup_variant_attrs, which Megatron's constructor calls
         with _without_fla_check():
             super().__init__(*args, **kwargs)
         self.kernel_backend = kernel_backend
-        self.cp_mode = cp_mode
+        self._check_head_split()
+
+    @property
+    def state_passing(self) -> bool:
+        """CP by state passing is in effect (a CP group of more than one rank)."""
+        return self.cp_mode == "state_passing" and self.cp_size > 1
+
+    def _check_head_split(self):
+        ways = self.tp_size * self.cp_heads_split
+        for name, heads in (("linear_num_key_heads", self.num_key_heads), ("linear_num_value_heads", self.num_value_heads)):
+            if heads % ways:
+                raise ValueError(
+                    f"config.{name}={heads} does not split over TP {self.tp_size} x CP {self.cp_heads_split} "
+                    f"(cp_mode={self.cp_mode!r}); head all-to-all CP splits heads over CP, state passing does not"
+                )
 
     def _setup_variant_attrs(self):
         super()._setup_variant_attrs()
         self.gated_delta_rule = self._flashqla_gated_delta_rule
+        # how many ways the CP group splits this rank's heads: all of them stay local with state passing
+        self.cp_heads_split = 1 if self.cp_mode == "state_passing" else self.cp_size
+        self.feat_dim_split = (
+            (self.qk_dim_local_tp * 2 + self.v_dim_local_tp) // self.cp_heads_split,  # qkv
+            self.v_dim_local_tp // self.cp_heads_split,  # gate (z)
+            self.num_v_heads_local_tp // self.cp_heads_split,  # beta
+            self.num_v_heads_local_tp // self.cp_heads_split,  # alpha
+        )
 
     def _flashqla_gated_delta_rule(self, q, k, v, g, beta, cu_seqlens=None, cp_context=None):
         """Megatron's kernel contract (bshd q/k/v, fp32 g, no initial or final state), with q/k at
-        their own head count and L2-normalised in the kernel when `use_qk_l2norm` is set."""
+        their own head count and L2-normalised in the kernel when `use_qk_l2norm` is set. With a
+        `cp_context` the sequence layout is the context's (cu_seqlens must be None)."""
         return flashqla.chunk_gated_delta_rule(
             q, k, v, g, beta,
             cu_seqlens=cu_seqlens,
@@ -91,8 +124,8 @@ class GatedDeltaNet(MegatronGatedDeltaNet):
     def _prepare_input_for_gated_delta_rule(self, qkv, gate, batch, seq_len, *gate_feats):
         """Split the conv output into q, k [B, T, Hk, K] and v [B, T, Hv, V]; unlike Megatron's
         version, q/k keep Hk heads and are not normalised here (the kernel does both)."""
-        qk_width = self.qk_dim_local_tp // self.cp_size
-        v_width = self.v_dim_local_tp // self.cp_size
+        qk_width = self.qk_dim_local_tp // self.cp_heads_split
+        v_width = self.v_dim_local_tp // self.cp_heads_split
         query, key, value = torch.split(qkv, [qk_width, qk_width, v_width], dim=-1)
         query = query.reshape(batch, seq_len, -1, self.key_head_dim)
         key = key.reshape(batch, seq_len, -1, self.key_head_dim)
@@ -114,46 +147,55 @@ class GatedDeltaNet(MegatronGatedDeltaNet):
         if inference_context is not None or inference_params is not None:
             raise NotImplementedError("flashqla.megatron.GatedDeltaNet: inference (decode) is not supported yet")
         s_local, batch, _ = hidden_states.shape
-        seq_len = s_local * self.sp_size * self.cp_size  # tokens per sequence over the whole CP group
-        cu_seqlens = self._packed_cu_seqlens(packed_seq_params, seq_len, batch)
-
         qkvzba, _ = self.in_proj(hidden_states)  # [s_local * sp, b, in_proj_dim / tp]
-        cp_context = None
-        if self.cp_mode == "state_passing" and self.cp_size > 1:
-            cp_context = self._state_passing_cp_context(cu_seqlens, seq_len)
-        qkvzba, thd_cp_inverse = self._cp_sequence_to_heads(qkvzba, cu_seqlens, seq_len)
-        qkvzba = qkvzba.transpose(0, 1)  # sbhd -> bshd
+        if self.state_passing:
+            tokens = s_local * self.sp_size  # this rank's tokens per row
+            cp_context = self._state_passing_cp_context(packed_seq_params, batch, tokens, qkvzba.device)
+            cu_seqlens = None
+            # rows one after another = the context's local stream (Megatron's order, sequence after sequence)
+            qkvzba = qkvzba.transpose(0, 1).reshape(1, batch * tokens, -1)
+            norm = partial(self._gated_norm_local, batch=batch, tokens=tokens)
+        else:
+            seq_len = s_local * self.sp_size * self.cp_size  # tokens per sequence over the whole CP group
+            cp_context = None
+            cu_seqlens = self._packed_cu_seqlens(packed_seq_params, seq_len, batch)
+            qkvzba, thd_cp_inverse = self._cp_sequence_to_heads(qkvzba, cu_seqlens, seq_len)
+            qkvzba = qkvzba.transpose(0, 1)  # sbhd -> bshd
+            norm = partial(
+                self._gated_norm_and_a2a,
+                thd_cp_a2a_inv=thd_cp_inverse,
+                batch=batch,
+                seq_len=seq_len,
+                packed_seq_params=packed_seq_params,
+            )
+        kernel_batch, kernel_len = qkvzba.shape[:2]
         qkv, gate, beta, alpha = torch.split(qkvzba, self.feat_dim_split, dim=-1)
-        gate = gate.reshape(batch, seq_len, -1, self.value_head_dim)
+        gate = gate.reshape(kernel_batch, kernel_len, -1, self.value_head_dim)
 
-        qkv = self._causal_conv(qkv, cu_seqlens)
+        qkv = self._causal_conv(qkv, cu_seqlens, cp_context)
         query, key, value, gate, beta, alpha = self._prepare_input_for_gated_delta_rule(
-            qkv, gate, batch, seq_len, beta, alpha
+            qkv, gate, kernel_batch, kernel_len, beta, alpha
         )
-        A_log = get_parameter_local_cp(self.A_log, dim=0, cp_group=self.pg_collection.cp)
-        dt_bias = get_parameter_local_cp(self.dt_bias, dim=0, cp_group=self.pg_collection.cp)
-        g, beta = self._compute_g_and_beta(A_log, dt_bias, alpha, beta)
+        g, beta = self._compute_g_and_beta(self._cp_local(self.A_log), self._cp_local(self.dt_bias), alpha, beta)
 
         core_out, _ = self.gated_delta_rule(query, key, value, g, beta, cu_seqlens=cu_seqlens, cp_context=cp_context)
 
-        norm_and_a2a = partial(
-            self._gated_norm_and_a2a,
-            thd_cp_a2a_inv=thd_cp_inverse,
-            batch=batch,
-            seq_len=seq_len,
-            packed_seq_params=packed_seq_params,
-        )
         if self.recompute_norm_out:
             # Pass config.fp8 explicitly: the default fp8=False counts as fp8 in Megatron 0.19
             # (`fp8 is not None`) and then needs Transformer Engine.
             self.norm_out_checkpoint = tensor_parallel.CheckpointWithoutOutput(fp8=self.config.fp8)
-            norm_out = self.norm_out_checkpoint.checkpoint(norm_and_a2a, core_out, gate)
+            norm_out = self.norm_out_checkpoint.checkpoint(norm, core_out, gate)
         else:
-            norm_out = norm_and_a2a(core_out, gate)
+            norm_out = norm(core_out, gate)
         out, out_bias = self.out_proj(norm_out)
         if self.recompute_norm_out:
             self.norm_out_checkpoint.discard_output_and_register_recompute(out)
         return out, out_bias
+
+    def _gated_norm_local(self, core_out, gate, batch, tokens):
+        """Gated norm, back to Megatron's [s_local, b, v_dim / tp] with no all-to-all (state passing)."""
+        norm_out = self._apply_gated_norm(core_out, gate)
+        return norm_out.reshape(batch, tokens, -1).transpose(0, 1).contiguous()
 
     def _packed_cu_seqlens(self, packed_seq_params, seq_len, batch) -> Optional[torch.Tensor]:
         """int32 cu_seqlens over the CP group's whole stream for THD input, else None."""
@@ -172,6 +214,33 @@ class GatedDeltaNet(MegatronGatedDeltaNet):
         if not torch.equal(cu_q, cu_kv):
             raise ValueError(f"GDN needs cu_seqlens_q == cu_seqlens_kv, got {cu_q} and {cu_kv}")
         return cu_q.to(torch.int32)
+
+    def _state_passing_cp_context(self, packed_seq_params, batch, tokens, device):
+        """The shared (cached) CP context of this batch's layout: packed sequences as the THD offsets
+        say (the padded ones, as Megatron's own GDN), padded rows as sequences of tokens * cp."""
+        total = tokens * self.cp_size
+        if packed_seq_params is None or packed_seq_params.qkv_format != "thd":
+            offsets = tuple(range(0, (batch + 1) * total, total))
+        else:
+            if batch != 1:
+                raise ValueError(f"packed (thd) input needs batch size 1, got {batch}")
+            offsets = self._packed_offsets(packed_seq_params, total)
+        return state_passing_context(offsets, self.pg_collection.cp, self.conv_kernel_dim, device)
+
+    @staticmethod
+    def _packed_offsets(packed_seq_params, total) -> tuple[int, ...]:
+        """Host copy of the THD offsets over the whole CP group (cached per tensor: no sync per layer)."""
+        offsets = {}
+        for side in ("q", "kv"):
+            padded = getattr(packed_seq_params, f"cu_seqlens_{side}_padded")
+            actual = getattr(packed_seq_params, f"cu_seqlens_{side}")
+            offsets[side] = host_offsets(padded if padded is not None else actual)
+        if offsets["q"] != offsets["kv"]:
+            raise ValueError(f"GDN needs cu_seqlens_q == cu_seqlens_kv, got {offsets['q']} and {offsets['kv']}")
+        if offsets["q"][-1] != total:
+            raise ValueError(f"packed_seq_params: cu_seqlens_q[-1]={offsets['q'][-1]} is not the {total} tokens "
+                             "of the CP group's stream")
+        return offsets["q"]
 
     def _cp_sequence_to_heads(self, qkvzba, cu_seqlens, seq_len):
         """Head all-to-all CP: [s/cp, b, proj] sequence shards -> [s, b, proj/cp] head shards in
@@ -192,33 +261,27 @@ class GatedDeltaNet(MegatronGatedDeltaNet):
         order, inverse = _build_thd_cp_a2a_perm(cu_seqlens, self.cp_size, seq_len)
         return qkvzba.index_select(0, order), inverse
 
-    def _causal_conv(self, qkv, cu_seqlens):
-        """Depthwise causal conv + activation over [B, T, q|k|v channels of this rank's heads]."""
+    def _cp_local(self, param, split_sections=None):
+        """This CP rank's heads of a per-head parameter: all of them with state passing, 1/cp with
+        head all-to-all."""
+        if self.cp_heads_split == 1:
+            return param
+        return get_parameter_local_cp(param, dim=0, cp_group=self.pg_collection.cp, split_sections=split_sections)
+
+    def _causal_conv(self, qkv, cu_seqlens, cp_context):
+        """Depthwise causal conv + activation over [B, T, q|k|v channels of this rank's heads]; with a
+        CP context, each part's first sequence continues from the W - 1 rows before the part."""
         sections = [self.qk_dim_local_tp, self.qk_dim_local_tp, self.v_dim_local_tp]
-        weight = get_parameter_local_cp(self.conv1d.weight, dim=0, cp_group=self.pg_collection.cp, split_sections=sections)
-        bias = None
-        if self.conv_bias:
-            bias = get_parameter_local_cp(self.conv1d.bias, dim=0, cp_group=self.pg_collection.cp, split_sections=sections)
+        weight = self._cp_local(self.conv1d.weight, sections)
         B, T, C = qkv.shape
-        if cu_seqlens is None:  # padded batch: every row is its own sequence of T tokens
+        rows = qkv.reshape(B * T, C)
+        prefix = None
+        if cp_context is not None:
+            cu_seqlens = cp_context.cu_seqlens
+            prefix = halo_prefix(rows, cp_context, self.conv_kernel_dim - 1)
+        elif cu_seqlens is None:  # padded batch: every row is its own sequence of T tokens
             cu_seqlens = torch.arange(0, (B + 1) * T, T, device=qkv.device, dtype=torch.int32)
-        out, _ = causal_conv1d(qkv.reshape(B * T, C), weight.squeeze(1), cu_seqlens, silu=False)
-        if bias is not None:
-            out = out + bias
+        out, _ = causal_conv1d(rows, weight.squeeze(1), cu_seqlens, prefix=prefix, silu=False)
+        if self.conv_bias:
+            out = out + self._cp_local(self.conv1d.bias, sections)
         return self.act_fn(out.reshape(B, T, C))
-
-    def _state_passing_cp_context(self, cu_seqlens, seq_len):
-        """Plug point for flashqla's inter-card CP (S0 state passing instead of head all-to-all).
-
-        To wire it: build `flashqla.cp.build_cp_context(cu_seqlens_global, group=self.pg_collection.cp,
-        layout=..., conv1d_kernel_size=self.conv_kernel_dim)`, give `_causal_conv` the previous
-        piece's W-1 rows as `prefix` (`flashqla.layers.halo`), pass the context to the kernel, skip
-        the output all-to-all in `_gated_norm_and_a2a`, and stop slicing conv1d / A_log / dt_bias by
-        CP rank. Layout: Megatron load-balances each sequence on its own (rank r holds chunks r and
-        2cp-1-r of every sequence, sbhd batch rows and THD sequences alike); that equals a
-        stream-level zigzag only for one sequence (sbhd with batch 1, or THD with one sequence).
-        """
-        raise NotImplementedError(
-            "cp_mode='state_passing' needs flashqla's inter-card CP (flashqla.cp.build_cp_context), "
-            "which is not wired into the Megatron adapter yet; use cp_mode='head_a2a'"
-        )

@@ -19,6 +19,7 @@ from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, Moc
 from megatron.core.enums import ModelType
 from megatron.core.utils import get_batch_on_this_cp_rank
 
+from flashqla.megatron.config import StatePassingTransformerConfig
 from flashqla.megatron.gdn import CP_MODES
 from flashqla.megatron.specs import get_flashqla_gpt_block_spec, get_flashqla_hybrid_stack_spec
 
@@ -45,15 +46,25 @@ def add_flashqla_args(parser):
 
 def model_config_from_args(args):
     """Megatron's GPT (or, with --hybrid-layer-pattern, hybrid) model config; with
-    --linear-attention-impl flashqla its layer spec puts flashqla's GDN in every GDN layer."""
-    from megatron.training.argument_utils import gpt_config_from_args, hybrid_config_from_args
+    --linear-attention-impl flashqla its layer spec puts flashqla's GDN in every GDN layer, and with
+    --flashqla-cp-mode state_passing its TransformerConfig checks the GDN head counts against TP
+    only (StatePassingTransformerConfig: CP no longer splits heads)."""
+    from megatron.training.argument_utils import (
+        core_transformer_config_from_args,
+        gpt_config_from_args,
+        hybrid_config_from_args,
+    )
 
     hybrid = args.hybrid_layer_pattern is not None
-    model_config = hybrid_config_from_args(args) if hybrid else gpt_config_from_args(args)
-    if args.linear_attention_impl == "fla":
-        return model_config
-    if args.spec is not None:
+    flashqla_impl = args.linear_attention_impl == "flashqla"
+    if flashqla_impl and args.spec is not None:
         raise ValueError("--spec and --linear-attention-impl flashqla both choose the layer spec; pass one")
+    transformer = None
+    if flashqla_impl and args.flashqla_cp_mode == "state_passing":  # GDN heads need to split over TP only
+        transformer = core_transformer_config_from_args(args, config_class=StatePassingTransformerConfig)
+    model_config = (hybrid_config_from_args if hybrid else gpt_config_from_args)(args, config=transformer)
+    if not flashqla_impl:
+        return model_config
     gdn_params = {"kernel_backend": args.flashqla_kernel_backend, "cp_mode": args.flashqla_cp_mode}
     if hybrid:
         model_config.hybrid_stack_spec = get_flashqla_hybrid_stack_spec(**gdn_params)

@@ -1,54 +1,30 @@
-"""The launcher's pieces on a tiny GPT with GDN layers: `--linear-attention-impl flashqla` puts
-flashqla's GDN in every GDN layer, and the model trains on the launcher's data and loss (CPU, local spec).
+"""The launcher's pieces on a tiny hybrid GPT (3 GDN layers, softmax attention every 4th):
+`--linear-attention-impl flashqla` puts flashqla's GDN in every GDN layer, the model trains on the
+launcher's data and loss and its loss falls, and at CP 2 with state passing it trains exactly as at
+CP 1 (CPU, local spec).
 
-Megatron's `pretrain()` itself allocates CUDA tensors, so on CPU the test drives the same
-forward_step / loss / dataset provider with a plain Adam loop."""
-import sys
-
+Megatron's `pretrain()` itself allocates CUDA tensors, so on CPU the tests drive the launcher's
+forward_step / loss / dataset provider with a plain Adam loop (gpt_harness.train)."""
 import pytest
 import torch
 
+import gpt_harness
 import mcore_harness as h
 from megatron.core.num_microbatches_calculator import destroy_num_microbatches_calculator
-from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.ssm.gated_delta_net import GatedDeltaNet as MegatronGatedDeltaNet
-from megatron.training.arguments import parse_and_validate_args
 from megatron.training.global_vars import destroy_global_vars
-from megatron.training.models.gpt import GPTModelBuilder
 
 from flashqla.megatron import GatedDeltaNet
-from flashqla.megatron.pretrain_gpt import add_flashqla_args, forward_step, model_config_from_args, train_valid_test_datasets_provider
-
-TINY_QWEN3_NEXT = (
-    "--num-layers 4 --hidden-size 32 --num-attention-heads 4 --ffn-hidden-size 64 "
-    "--seq-length 64 --max-position-embeddings 64 --micro-batch-size 2 --global-batch-size 2 "
-    "--experimental-attention-variant gated_delta_net --linear-attention-freq 2 "
-    "--linear-conv-kernel-dim 4 --linear-key-head-dim 16 --linear-value-head-dim 16 "
-    "--linear-num-key-heads 2 --linear-num-value-heads 4 "
-    "--normalization RMSNorm --swiglu --disable-bias-linear --position-embedding-type rope "
-    "--transformer-impl local --use-cpu-initialization --no-gradient-accumulation-fusion "
-    "--no-masked-softmax-fusion --no-bias-swiglu-fusion --no-rope-fusion --no-persist-layer-norm "
-    "--mock-data --tokenizer-type NullTokenizer --vocab-size 128 --lr 3e-3 --train-iters 30 --seed 7"
-).split()
+from flashqla.megatron.config import StatePassingTransformerConfig
+from flashqla.megatron.pretrain_gpt import model_config_from_args
 
 
 @pytest.fixture
-def launcher_args(monkeypatch):
-    def parse(*extra):
-        monkeypatch.setattr(sys, "argv", ["pretrain_gpt", *TINY_QWEN3_NEXT, *extra])
-        destroy_global_vars()
-        destroy_num_microbatches_calculator()
-        return parse_and_validate_args(extra_args_provider=add_flashqla_args)
-
+def launcher_args():
     h.init_parallel(tp=1, cp=1, seed=7)
-    yield parse
+    yield gpt_harness.parse_args
     destroy_global_vars()
     destroy_num_microbatches_calculator()
-
-
-def build_model(args):
-    model = GPTModelBuilder(model_config_from_args(args)).build_model(ProcessGroupCollection.use_mpu_process_groups())
-    return model
 
 
 def gdn_modules(model):
@@ -56,11 +32,19 @@ def gdn_modules(model):
 
 
 def test_flag_puts_flashqla_gdn_in_every_gdn_layer(launcher_args):
-    args = launcher_args("--linear-attention-impl", "flashqla", "--flashqla-kernel-backend", "torch")
-    model = build_model(args)
+    args = launcher_args(*gpt_harness.FLASHQLA)
+    model = gpt_harness.build_model(args)
     gdns = gdn_modules(model)
-    assert len(gdns) == 2  # linear-attention-freq 2: layers 1 and 3 are GDN, 2 and 4 softmax attention
-    assert all(type(m) is GatedDeltaNet and m.kernel_backend == "torch" for m in gdns)
+    assert len(gdns) == 3  # linear-attention-freq 4: layers 1-3 are GDN, layer 4 softmax attention
+    assert all(type(m) is GatedDeltaNet and m.kernel_backend == "torch" and m.cp_mode == "head_a2a" for m in gdns)
+
+
+def test_state_passing_flag_reaches_every_gdn_layer_and_relaxes_the_head_check(launcher_args):
+    args = launcher_args(*gpt_harness.FLASHQLA, "--flashqla-cp-mode", "state_passing")
+    model_config = model_config_from_args(args)
+    assert type(model_config.transformer) is StatePassingTransformerConfig
+    model = gpt_harness.build_model(args)
+    assert [m.cp_mode for m in gdn_modules(model)] == ["state_passing"] * 3
 
 
 def test_spec_and_flashqla_impl_together_are_rejected(launcher_args):
@@ -70,25 +54,18 @@ def test_spec_and_flashqla_impl_together_are_rejected(launcher_args):
 
 
 def test_tiny_gdn_gpt_trains_with_flashqla_and_its_loss_falls(launcher_args):
-    args = launcher_args("--linear-attention-impl", "flashqla", "--flashqla-kernel-backend", "torch")
-    model = build_model(args)
-    train_set, _, _ = train_valid_test_datasets_provider([4, 0, 0])
-    batches = [
-        {name: torch.stack([train_set[i][name], train_set[i + 1][name]]) for name in ("tokens", "labels", "loss_mask", "attention_mask", "position_ids")}
-        for i in (0, 2)
-    ]
-    optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
-    losses = []
-    for step in range(args.train_iters):
-        output, loss_fn = forward_step(iter([batches[step % 2]]), model)
-        loss_sum, num_tokens, report = loss_fn(output)
-        loss = loss_sum / num_tokens
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
+    args = launcher_args(*gpt_harness.FLASHQLA)
+    model = gpt_harness.build_model(args)
+    losses = gpt_harness.train(model, args, args.train_iters)
     assert torch.isfinite(torch.tensor(losses)).all()
     for gdn in gdn_modules(model):  # the GDN layers take part in training
         assert gdn.A_log.grad.abs().sum() > 0 and gdn.in_proj.weight.grad.abs().sum() > 0
     first, last = sum(losses[:2]) / 2, sum(losses[-2:]) / 2
     assert last < 0.7 * first, losses
+
+
+@pytest.mark.multiprocess
+def test_tiny_hybrid_gpt_at_cp_2_with_state_passing_gives_the_cp_1_losses(two_rank_results):
+    """6 Adam steps from the same weights on gloo: the CP 2 loss equals the CP 1 loss at every step
+    (relative 1e-5)."""
+    assert not two_rank_results["hybrid_gpt_cp2"], "\n".join(two_rank_results["hybrid_gpt_cp2"])
