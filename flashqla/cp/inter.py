@@ -106,7 +106,7 @@ class InterCardCPFunction(torch.autograd.Function):
             if piece.last_seq_continues:
                 s, e = _sequence_span(cp, cp.last_sequence_of(piece))
                 args = [_span(t, s, e) for t in (q, k, v, g, beta)]
-                S_star[i] = _final_state_from_zero(*args, scale).to(dtype)[0]
+                S_star[i] = _final_state_from_zero(*args, scale, plan, cp_warmup, backend).to(dtype)[0]
                 if cp.first_sequence_of(piece) == cp.last_sequence_of(piece) and piece.first_seq_continues:
                     M[i] = torch_backend.transition_product(*args).to(dtype)[0]
         exchange = _Exchange(cp, S_star, M)
@@ -165,8 +165,10 @@ def _sub_plan(plan, start: int, end: int):
     return torch_backend.make_plan(1, end - start, None, plan.segment_chunks)
 
 
-def _final_state_from_zero(q, k, v, g, beta, scale):
-    _, S_final = torch_backend.forward(q, k, v, g, beta, scale, None, True, torch_backend.make_plan(1, q.shape[1], None, 0))
+def _final_state_from_zero(q, k, v, g, beta, scale, plan, cp_warmup, backend):
+    """S*: the state after one local sequence [1, T] started from zero, on the call's backend."""
+    call = backends.Call(q, k, v, g, beta, None, None)
+    _, S_final = backends.forward(backend, call, scale, True, _sub_plan(plan, 0, q.shape[1]), cp_warmup)
     return S_final
 
 

@@ -124,12 +124,18 @@ def transition(x: ChunkInputs) -> torch.Tensor:
 
 
 def transition_product(x: ChunkInputs) -> torch.Tensor:
-    """M = T_{n-1} ... T_0 over each row's chunks [rows, Hv, K, K]; empty slots are identity steps."""
+    """M = T_{n-1} ... T_0 over each row's chunks [rows, Hv, K, K]; empty slots are identity steps.
+
+    Multiplied pairwise (T_{2j+1} T_{2j}, then pairs of pairs, ...): log2(chunks) batched products
+    instead of a serial walk, so a long sequence costs a few launches.
+    """
     T = transition(x)
-    M = T[:, 0]
-    for c in range(1, T.shape[1]):
-        M = T[:, c] @ M
-    return M
+    while T.shape[1] > 1:
+        if T.shape[1] % 2:
+            eye = torch.eye(T.shape[-1], dtype=T.dtype, device=T.device)
+            T = torch.cat([T, eye.expand(T.shape[:1] + (1,) + T.shape[2:])], 1)
+        T = T[:, 1::2] @ T[:, 0::2]
+    return T[:, 0]
 
 
 @dataclass
