@@ -11,7 +11,7 @@ set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="${MEGATRON_VENV:-$repo/.venv312}"
 megatron_pin="megatron-core==0.19.2"
-packages=(torch "$megatron_pin" triton pytest numpy psutil)
+packages=(torch "$megatron_pin" triton pytest numpy psutil tqdm matplotlib)  # tqdm, matplotlib: train_megatron.py
 
 find_python312() {
   if [[ -n "${PYTHON312:-}" ]]; then echo "$PYTHON312"; return; fi
@@ -31,7 +31,7 @@ find_python312() {
 venv_is_ready() {
   [[ -x "$venv/bin/python" ]] && "$venv/bin/python" - <<'EOF' >/dev/null 2>&1
 import importlib.metadata as md
-import megatron.core, torch, triton, pytest, numpy, psutil  # noqa: F401
+import megatron.core, torch, triton, pytest, numpy, psutil, tqdm, matplotlib  # noqa: F401
 assert md.version("megatron-core") == "0.19.2"
 import flashqla  # the editable install below
 EOF
