@@ -2,7 +2,7 @@
 
 Model and optimizer moments are saved as Megatron sharded tensors (`model.sharded_state_dict()`, and
 the same sharding for `exp_avg` / `exp_avg_sq`, as Megatron's own optimizers do), so every rank writes
-only its shard and a checkpoint resumes under another TP/CP layout. The AdamW step count (the same for
+only its shard, in Megatron's resharding format (resuming under the same layout is what is tested). The AdamW step count (the same for
 every parameter) and the progress (step, losses, data position) are common state.
 
     <save_dir>/step<N>/     one checkpoint (Megatron's dist-checkpoint format)

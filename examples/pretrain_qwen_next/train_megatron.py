@@ -20,7 +20,7 @@ token-mean loss over the data-parallel x CP group, gradients summed over that gr
 clipping over TP shards, AdamW with warmup + cosine decay. Rows are data.py's packed documents; a
 row is one sequence to the model, and no token's loss crosses a document boundary (labels).
 Checkpoints are Megatron dist checkpoints (megatron_checkpoint.py): --save-dir/step<N>, resumed with
---resume (also under another TP/CP layout); the losses go to --save-dir/losses.json and
+--resume; the losses go to --save-dir/losses.json and
 loss_curve.png.
 """
 from __future__ import annotations
