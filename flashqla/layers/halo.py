@@ -88,7 +88,9 @@ def halo_prefix(x: torch.Tensor, cp_context, halo: int) -> torch.Tensor:
     """x: this rank's pre-conv rows [T_local, C]. Returns the conv prefix of every local sequence,
     [N_local, halo, C]: the halo received for the first sequence of each part, zeros elsewhere;
     differentiable w.r.t. x on every rank."""
-    bounds = cp_context.cu_seqlens
+    bounds = getattr(cp_context, "local_bounds", None)  # flashqla.cp's context keeps a host copy: no sync
+    if bounds is None:
+        bounds = cp_context.cu_seqlens
     bounds = bounds.tolist() if torch.is_tensor(bounds) else [int(b) for b in bounds]
     pieces = _pieces(cp_context, bounds)
     my_parts = [index for index, *_ in pieces]
