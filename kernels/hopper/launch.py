@@ -5,6 +5,8 @@ import functools
 
 import torch
 
+from ..cache import compile_kernel
+
 HEAD_DIM = 128
 CHUNK = 64
 TARGET = {"kind": "cuda", "arch": "sm_90a"}
@@ -14,6 +16,7 @@ BLOCK_V_CHOICES = (128, 64, 32)
 MIN_CTAS_PER_SM = 0.7
 
 _TORCH_TO_TL = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
+KERNEL_DTYPES = tuple(_TORCH_TO_TL.values())
 
 
 def _pass_configs():
@@ -24,27 +27,29 @@ def _pass_configs():
 
 @functools.lru_cache(maxsize=None)
 def compiled_wy_inverse(dtype: str):
-    """The compiled wy_inverse kernel for `dtype`; loads from TileLang's disk cache when present."""
-    import tilelang
-
+    """The compiled wy_inverse kernel for `dtype`: prebuilt, from TileLang's disk cache, or JIT (kernels/cache.py)."""
     from .wy_inverse import build_wy_inverse
 
-    return tilelang.compile(build_wy_inverse(dtype), target=TARGET, pass_configs=_pass_configs())
+    return compile_kernel(build_wy_inverse(dtype), f"wy_inverse({dtype})", target=TARGET,
+                          pass_configs=_pass_configs())
 
 
 @functools.lru_cache(maxsize=None)
 def compiled_fused_fwd(dtype: str, block_v: int):
     """The compiled fused forward kernel for `dtype` and V tile width `block_v`."""
-    import tilelang
-
     from .fused_fwd import build_fused_fwd
 
-    return tilelang.compile(build_fused_fwd(dtype, block_v), target=TARGET, pass_configs=_pass_configs())
+    return compile_kernel(build_fused_fwd(dtype, block_v), f"fused_fwd({dtype}, block_v={block_v})", target=TARGET,
+                          pass_configs=_pass_configs())
 
 
-def kernel_configs():
-    """Every (kernel, args) pair dispatch can choose: what a build machine must compile."""
-    for dtype in _TORCH_TO_TL.values():
+def kernel_configs(dtypes=KERNEL_DTYPES):
+    """Every (kernel, args) pair dispatch can choose for TileLang dtypes `dtypes`: what a build machine compiles.
+
+    Sizes (tokens, heads, sequences) and the scale are runtime arguments, so no kernel depends on the head
+    configuration; `flashqla precompile` relies on this list alone.
+    """
+    for dtype in dtypes:
         yield compiled_wy_inverse, (dtype,)
         for block_v in BLOCK_V_CHOICES:
             yield compiled_fused_fwd, (dtype, block_v)
