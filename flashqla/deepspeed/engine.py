@@ -62,9 +62,10 @@ def initialize(model: torch.nn.Module, config, mpu=None, sequence_parallel_group
         raise ValueError("pass either mpu or sequence_parallel_group, not both")
     if sequence_parallel_group is not None:
         mpu = GroupMPU(sequence_parallel_group)
-    if isinstance(kwargs.get("optimizer"), torch.optim.Optimizer) and gdn_layers_off_path(model):
-        raise ValueError("optimizer: it holds the parameters of GDN layers that are about to be replaced; call "
-                         "flashqla.deepspeed.enable_gdn_sequence_parallel(model, mpu) before building the optimizer")
+    holds_parameters = isinstance(kwargs.get("optimizer"), torch.optim.Optimizer) or "model_parameters" in kwargs
+    if holds_parameters and gdn_layers_off_path(model):
+        raise ValueError("optimizer / model_parameters hold parameters of GDN layers that are about to be replaced; "
+                         "call flashqla.deepspeed.enable_gdn_sequence_parallel(model, mpu) before collecting them")
     if mpu is None:
         from deepspeed.runtime.sequence_parallel import parallel_state_sp
 
