@@ -43,6 +43,10 @@ def precompile(cache_dir=None, jobs=None, dtypes=("bf16", "fp16"), heads=None, p
         they only get validated and noted; head-specialised kernels would take them in kernel_configs().
     progress: a tqdm bar when tqdm is importable (each kernel is logged either way).
     """
+    try:
+        import tilelang  # noqa: F401
+    except Exception as exc:  # ImportError, or an ABI mismatch that aborts the import
+        raise RuntimeError(f"precompile needs tilelang ({exc}); pip install 'flashqla[tilelang]'") from exc
     from flashqla.kernels.cache import tilelang_cache_dir
     from flashqla.kernels.hopper import launch
 
@@ -132,7 +136,9 @@ def _init_worker(cache_dir: str):
     """A spawned compile process: TileLang's cache is `cache_dir`, nothing is copied in from prebuilt kernels."""
     os.environ["TILELANG_CACHE_DIR"] = cache_dir
     os.environ["FLASHQLA_PREBUILT_KERNELS"] = "off"
-    logging.getLogger("tilelang").setLevel(logging.WARNING)  # the parent logs one line per kernel
+    import tilelang  # sets its logger to INFO on import
+
+    tilelang.set_log_level("WARNING")  # the parent logs one line per kernel
     logging.getLogger("flashqla.kernels").setLevel(logging.ERROR)  # "JIT-compiled" is the point here
 
 
