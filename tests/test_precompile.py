@@ -20,6 +20,7 @@ pytestmark = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is no
 
 from flashqla.cli import main as cli_main  # noqa: E402
 from flashqla.kernels import cache  # noqa: E402
+from flashqla.kernels.cache import MANIFEST  # noqa: E402
 from flashqla.kernels.hopper import launch  # noqa: E402
 from flashqla.precompile import precompile  # noqa: E402
 
@@ -232,3 +233,20 @@ def test_prebuilt_location_follows_the_environment(monkeypatch, tmp_path):
     assert cache.prebuilt_dir() is None
     monkeypatch.setenv(cache.PREBUILT_ENV, str(tmp_path))
     assert cache.prebuilt_dir() == tmp_path
+
+
+def test_a_jit_compile_names_why_no_prebuilt_kernel_served_it(tmp_path):
+    def entry(root, namespace, key):
+        path = root / namespace / "kernels" / key
+        path.mkdir(parents=True)
+        (path / MANIFEST).write_text(json.dumps({"files": {}}))
+        return path
+
+    prebuilt = tmp_path / "prebuilt"
+    entry(prebuilt, "0.1.14/linux-x86_64", "a")
+    compiled = entry(tmp_path / "cache", "0.1.15/linux-x86_64", "b")
+    assert "built for 0.1.14/linux-x86_64" in cache._why_compiled(prebuilt, None, compiled)
+    entry(prebuilt, "0.1.15/linux-x86_64", "c")
+    assert "do not include this configuration" in cache._why_compiled(prebuilt, None, compiled)
+    assert "disabled" in cache._why_compiled(prebuilt, None, None)
+    assert cache._why_compiled(None, "the reason", compiled) == "the reason"

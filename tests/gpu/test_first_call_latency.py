@@ -27,7 +27,8 @@ pytestmark = pytest.mark.skipif(
 REPO = Path(__file__).resolve().parents[2]
 # Qwen3-Next at TP 2 (16 qk / 32 v heads at TP 1), two packed sequences, bf16: a training step's shapes
 FIRST_CALL = """
-import json, sys, time
+import json, logging, sys, time
+logging.basicConfig(level=logging.INFO)
 start = time.perf_counter()
 import torch
 import torch.nn.functional as F
