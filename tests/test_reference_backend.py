@@ -115,7 +115,8 @@ def test_gradcheck_float64():
                                                 cu_seqlens=cu, backend="torch")
         return o, ht
 
-    assert torch.autograd.gradcheck(fn, tuple(args[n] for n in names), eps=1e-6, atol=1e-6, rtol=1e-5)
+    # fast mode checks random projections of the Jacobian (a full numerical Jacobian is ~10^4 forwards)
+    assert torch.autograd.gradcheck(fn, tuple(args[n] for n in names), eps=1e-6, atol=1e-6, rtol=1e-5, fast_mode=True)
 
 
 def test_zero_tokens_pass_the_state_through_forward_and_backward():
