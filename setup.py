@@ -18,12 +18,18 @@ setup(
     packages=packages + kernel_packages,
     package_dir={"flashqla.kernels": "kernels"},
     install_requires=["torch>=2.4"],
+    # kernels compiled for sm_90a by `flashqla precompile --cache-dir kernels/prebuilt` before building
+    # the wheel (docs/prebuilt_kernels.md); copied into TileLang's cache on first use
+    package_data={"flashqla.kernels": ["prebuilt/*/*/kernels/*/*"]},
+    entry_points={"console_scripts": ["flashqla = flashqla.cli:main"]},
     extras_require={
         # the tests compile every kernel configuration for sm_90a (nvcc only, no GPU needed)
-        "test": ["pytest>=7", "numpy", "transformers==5.23.0", "tilelang==0.1.15", "apache-tvm-ffi>=0.1.11,<0.1.13"],
+        "test": ["pytest>=7", "numpy", "transformers==5.23.0", "deepspeed==0.19.8", "matplotlib", "tqdm",
+                 "tilelang==0.1.15", "apache-tvm-ffi>=0.1.11,<0.1.13"],
         "tilelang": ["tilelang==0.1.15", "apache-tvm-ffi>=0.1.11,<0.1.13"],
         "megatron": ["megatron-core>=0.19,<0.20"],
-        "deepspeed": ["deepspeed>=0.19,<0.20"],
+        "deepspeed": ["deepspeed>=0.19,<0.20", "transformers>=4.57"],
+        "examples": ["transformers==5.23.0", "deepspeed==0.19.8", "matplotlib", "tqdm"],
         "hf": ["transformers>=4.57"],
     },
 )

@@ -14,7 +14,7 @@ python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >"$OUT/
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv | tee "$OUT/gpu.txt"
 
 if [[ $what == tests || $what == all ]]; then
-  timeout 300 python3 -m pytest -q -rA tests/gpu 2>&1 | tee "$OUT/tests.log" | tail -30
+  timeout 420 python3 -m pytest -q -s -rA tests/gpu 2>&1 | tee "$OUT/tests.log" | tail -30
 fi
 
 if [[ $what == cold || $what == all ]]; then

@@ -1,9 +1,13 @@
 #!/usr/bin/env bash
-# The main job: makes .venv with flashqla installed and runs examples/quickstart.py
-# (GPU when one is present, else CPU).
+# The main job: tiny Qwen3-Next-style pretraining (GDN layers on flashqla + gated softmax attention,
+# MoE) with DeepSpeed on the embedded corpus (the Python standard library's own source). Makes .venv,
+# installs what it needs, trains on the GPU when one is present (else CPU), writes checkpoints and
+# runs/pretrain_qwen_next/loss_curve.png. Extra arguments go to train_deepspeed.py.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
-.venv/bin/python -m pip install -q --disable-pip-version-check torch==2.13.0 -e . 2>&1 | { grep -v "is ignored" || true; }
-.venv/bin/python examples/quickstart.py "$@"
+.venv/bin/python -m pip install -q --disable-pip-version-check torch==2.13.0 -e '.[examples]' 2>&1 | { grep -v "is ignored" || true; }
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
+.venv/bin/python examples/pretrain_qwen_next/train_deepspeed.py --size tiny --steps 200 \
+    --save-dir runs/pretrain_qwen_next "$@"

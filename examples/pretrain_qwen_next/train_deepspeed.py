@@ -25,6 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from data import VOCAB_SIZE, load_rows  # noqa: E402
+from reporting import memory_now, plot_losses  # noqa: E402
 from model_config import SIZES, hf_config  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
@@ -94,34 +95,6 @@ def check_fits(model, seq_len: int, sp: int, config: dict, checkpointing: bool):
                          f"but {have / gib:.1f} GiB are free: use a smaller --size or --seq-len, more --sp ranks, "
                          "--checkpoint-activations or ZeRO-3")
     return params
-
-
-def memory_now() -> str:
-    if torch.cuda.is_available():
-        return f"{torch.cuda.max_memory_allocated() / 2 ** 30:.1f}G"
-    import psutil
-
-    return f"{psutil.Process().memory_info().rss / 2 ** 30:.1f}G"
-
-
-def plot_losses(losses: list[float], path: Path):
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: no loss curve (pip install matplotlib)")
-        return
-    fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot(range(1, len(losses) + 1), losses)
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss (nats / byte)")
-    ax.set_title("pretrain_qwen_next (DeepSpeed + flashqla)")
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    print(f"loss curve: {path}")
 
 
 def main():
@@ -203,7 +176,7 @@ def main():
     if rank == 0 and losses:
         first, last = sum(losses[:10]) / len(losses[:10]), sum(losses[-10:]) / len(losses[-10:])
         print(f"loss: first 10 steps {first:.3f} -> last 10 steps {last:.3f}")
-        plot_losses(losses, save_dir / "loss_curve.png")
+        plot_losses(losses, save_dir / "loss_curve.png", f"pretrain_qwen_next {args.size} (DeepSpeed + flashqla)")
 
 
 if __name__ == "__main__":

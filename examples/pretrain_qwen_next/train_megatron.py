@@ -40,6 +40,7 @@ import torch.distributed as dist
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from data import IGNORE_INDEX, VOCAB_SIZE, load_rows  # noqa: E402
+from reporting import memory_now, plot_losses  # noqa: E402
 from model_config import SIZES  # noqa: E402
 
 
@@ -196,31 +197,6 @@ def reduce_and_clip_grads(model, max_norm: float = 1.0):
     norm = square.sqrt()
     torch._foreach_mul_([p.grad for p in params], torch.clamp(max_norm / (norm + 1e-6), max=1.0))
     return norm.item()
-
-
-def memory_now() -> str:
-    if torch.cuda.is_available():
-        return f"{torch.cuda.max_memory_allocated() / 2 ** 30:.1f}G"
-    import psutil
-
-    return f"{psutil.Process().memory_info().rss / 2 ** 30:.1f}G"
-
-
-def plot_losses(losses: list[float], path: Path, title: str):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot(range(1, len(losses) + 1), losses)
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss (nats / byte)")
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    print(f"loss curve: {path}")
 
 
 def main(argv=None):
