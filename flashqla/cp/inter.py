@@ -37,18 +37,24 @@ def _span(t: torch.Tensor, start: int, end: int) -> torch.Tensor:
 
 
 class _Exchange:
-    """One asynchronous all-gather of per-part (state, matrix) pairs, joined by every rank."""
+    """One all-gather of per-part (state, matrix) pairs, joined by every rank.
+
+    Asynchronous on NCCL, so local GPU work overlaps the transfer; synchronous on gloo, where the
+    transfer and the CPU compute share the same cores and an overlap buys nothing.
+    """
 
     def __init__(self, cp: CPContext, states: torch.Tensor, mats: torch.Tensor):
         self.cp = cp
         self.shapes = (states.shape, mats.shape)
         payload = torch.cat([states.reshape(-1), mats.reshape(-1)])
         self.gathered = [torch.empty_like(payload) for _ in range(cp.world_size)]
-        self.work = dist.all_gather(self.gathered, payload, group=cp.group, async_op=True)
+        overlap = dist.get_backend(cp.group) == "nccl"
+        self.work = dist.all_gather(self.gathered, payload, group=cp.group, async_op=overlap)
 
     def wait(self):
         """-> states [parts, ...], mats [parts, ...] of every part in global order."""
-        self.work.wait()
+        if self.work is not None:
+            self.work.wait()
         (s_shape, m_shape), cp = self.shapes, self.cp
         n_states = s_shape.numel()
         states = torch.empty((cp.num_parts,) + s_shape[1:], dtype=self.gathered[0].dtype, device=self.gathered[0].device)
