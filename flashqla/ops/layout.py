@@ -22,14 +22,6 @@ class ChunkGrid:
     token_index: torch.Tensor  # [rows, chunks, C] int64 into the flat stream, -1 for an empty slot
     num_tokens: int  # B*T
 
-    @property
-    def rows(self) -> int:
-        return self.token_index.shape[0]
-
-    @property
-    def chunks(self) -> int:
-        return self.token_index.shape[1]
-
     def gather(self, x: torch.Tensor) -> torch.Tensor:
         """[B*T, *F] -> [rows, chunks, C, *F], zeros in empty slots."""
         padded = torch.cat([x, x.new_zeros((1,) + x.shape[1:])])
