@@ -72,8 +72,10 @@ def _first_call(impl, cache_dir, prebuilt):
                             cwd=REPO, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
     numbers = json.loads(result.stdout.strip().splitlines()[-1])
-    numbers["tilelang_compiles"] = result.stderr.count("TileLang begins to compile kernel")
-    return numbers, result.stderr
+    # TileLang logs its compiles to stdout, flashqla's logging goes to stderr: search both
+    log = result.stdout + result.stderr
+    numbers["tilelang_compiles"] = log.count("TileLang begins to compile kernel")
+    return numbers, log
 
 
 def _report(label, numbers):
