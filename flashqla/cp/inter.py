@@ -6,9 +6,9 @@ p). One all-gather shares (S*, M); each rank folds the chain of the parts before
 
     S_enter[p] = S*_{p-1} + M_{p-1} S_enter[p-1]     (fp32, or fp64 for fp64 inputs)
 
-and runs the ordinary local op with S_enter as the initial state of the part's first sequence. The
-all-gather is started asynchronously and the local work that does not need S_enter (every sequence
-that starts on this rank) runs while it is in flight.
+and runs the ordinary local op with S_enter as the initial state of the part's first sequence. On NCCL
+the all-gather is started asynchronously and the local work that does not need S_enter (every
+sequence that starts on this rank) runs while it is in flight.
 
 Backward mirrors it: for its first sequence each part computes D_p, the gradient of the state entering
 the part when the gradient leaving the part is zero, and M'_p (the transition product of that sequence
@@ -24,12 +24,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..ops import backends, torch_backend
+from ..ops import backends, reference, torch_backend
 from .context import CPContext
-
-
-def _summary_dtype(x: torch.Tensor) -> torch.dtype:
-    return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
 def _span(t: torch.Tensor, start: int, end: int) -> torch.Tensor:
@@ -105,7 +101,7 @@ class InterCardCPFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, g, beta, scale, cp: CPContext, plan, cp_warmup, backend):
         Hv, K, V = v.shape[2], q.shape[3], v.shape[3]
-        dtype = _summary_dtype(q)
+        dtype = reference.work_dtype(q)
         S_star = q.new_zeros((len(cp.pieces), Hv, K, V), dtype=dtype)
         M = q.new_zeros((len(cp.pieces), Hv, K, K), dtype=dtype)
         for i, piece in enumerate(cp.pieces):
@@ -128,18 +124,18 @@ class InterCardCPFunction(torch.autograd.Function):
                 s, e = _sequence_span(cp, n)
                 o[:, s:e] = _local_forward(*[_span(t, s, e) for t in (q, k, v, g, beta)], scale,
                                            initial_state[n:n + 1], None, _sub_plan(plan, s, e), cp_warmup, backend)
-        ctx.save_for_backward(q, k, v, g, beta, initial_state)
+        # M of a sequence spanning a whole part is also that part's M'_p in backward: keep it
+        ctx.save_for_backward(q, k, v, g, beta, initial_state, M)
         ctx.scale, ctx.cp, ctx.plan, ctx.cp_warmup, ctx.backend = scale, cp, plan, cp_warmup, backend
         return o
 
     @staticmethod
     def backward(ctx, do):
-        q, k, v, g, beta, initial_state = ctx.saved_tensors
+        q, k, v, g, beta, initial_state, M_spanning = ctx.saved_tensors
         cp, scale, plan, warmup = ctx.cp, ctx.scale, ctx.plan, ctx.cp_warmup
         do = do.contiguous()
         Hv, K, V = v.shape[2], q.shape[3], v.shape[3]
         D = torch.zeros((len(cp.pieces), Hv, K, V), dtype=initial_state.dtype, device=q.device)
-        M_first = torch.zeros((len(cp.pieces), Hv, K, K), dtype=initial_state.dtype, device=q.device)
         for i, piece in enumerate(cp.pieces):
             if piece.first_seq_continues:
                 n = cp.first_sequence_of(piece)
@@ -149,9 +145,8 @@ class InterCardCPFunction(torch.autograd.Function):
                 grads = torch_backend.backward(*args, scale, initial_state[n:n + 1], _sub_plan(plan, s, e),
                                                do[:, s:e], None, warmup)
                 D[i] = grads[5][0]
-                if n == cp.last_sequence_of(piece) and piece.last_seq_continues:
-                    M_first[i] = torch_backend.transition_product(*args).to(M_first.dtype)[0]
-        exchange = _Exchange(cp, D, M_first)
+        # M'_p is nonzero only where the first sequence also leaves the part: the forward's M
+        exchange = _Exchange(cp, D, M_spanning)
         dD, dM = exchange.wait()
         X = _fold_backward(cp, dD, dM)
         dht = torch.zeros_like(initial_state)
