@@ -97,13 +97,21 @@ def segment_initial_states(x, plan: SegmentPlan, fwd: WarmupPlan, bwd: WarmupPla
         needed[1:] |= bwd.exact[:-1]
     M = _products_where_needed(x, needed)
     S0 = torch.empty_like(zeros)
-    first = _row_index(plan.first_rows, x.q.device)
-    S0[first] = S0_sequences.to(S0.dtype)
-    for k in range(1, max(plan.position) + 1):
-        rows = _row_index([r for r, p in enumerate(plan.position) if p == k], x.q.device)
-        chained = (M[rows - 1] @ S0[rows - 1]) * fwd.exact[rows, :, None, None]
+    S0[_row_index(plan.first_rows, x.q.device)] = S0_sequences.to(S0.dtype)
+    steps = [_row_index([r for r, p in enumerate(plan.position) if p == k], x.q.device)
+             for k in range(1, max(plan.position) + 1)]
+    return chain_segments(S0, S_tail, M, fwd.exact, steps), M
+
+
+def chain_segments(S0, S_tail, M, exact, steps):
+    """S_{j,0} = S_tail_{j-1} + [exact] M_{j-1} S_{j-1,0}, in place on S0 (its first rows already set).
+
+    steps: the rows at position 1, 2, ... within their sequence; each step depends on the one before.
+    """
+    for rows in steps:
+        chained = (M[rows - 1] @ S0[rows - 1]) * exact[rows, :, None, None]
         S0[rows] = S_tail[rows - 1] + chained
-    return S0, M
+    return S0
 
 
 def segment_final_gradients(x, b: reference.BackwardTerms, plan: SegmentPlan, bwd: WarmupPlan, M: torch.Tensor,

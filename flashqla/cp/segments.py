@@ -22,6 +22,7 @@ import torch
 
 from ..ops import reference
 from ..ops.layout import runs_from_lengths
+from .intra import chain_segments
 from .plan import SegmentPlan
 
 
@@ -83,9 +84,7 @@ def segmented_forward(forward, q, k, v, g, beta, scale, initial_state, output_fi
     S0 = torch.zeros_like(S_star)
     if initial_state is not None:
         S0[idx.first] = initial_state.to(S0.dtype)
-    for rows in idx.steps:
-        chained = (M[rows - 1] @ S0[rows - 1]) * exact[rows, :, None, None]
-        S0[rows] = S_star[rows - 1] + chained
+    S0 = chain_segments(S0, S_star, M, exact, idx.steps)
     o, S_final = forward(*packed, scale, S0, output_final_state, idx.cu)
     final_state = S_final[idx.last] if output_final_state else None
     return o.reshape(v.shape[:3] + (v.shape[3],)), final_state
