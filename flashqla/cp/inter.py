@@ -134,6 +134,7 @@ class InterCardCPFunction(torch.autograd.Function):
         q, k, v, g, beta, initial_state, M_spanning = ctx.saved_tensors
         cp, scale, plan, warmup = ctx.cp, ctx.scale, ctx.plan, ctx.cp_warmup
         do = do.contiguous()
+        walks = backends.walks_for(ctx.backend, q.dtype)
         Hv, K, V = v.shape[2], q.shape[3], v.shape[3]
         D = torch.zeros((len(cp.pieces), Hv, K, V), dtype=initial_state.dtype, device=q.device)
         for i, piece in enumerate(cp.pieces):
@@ -143,7 +144,7 @@ class InterCardCPFunction(torch.autograd.Function):
                 args = [_span(t, s, e) for t in (q, k, v, g, beta)]
                 # D: gradient of the entering state with a zero gradient leaving the part
                 grads = torch_backend.backward(*args, scale, initial_state[n:n + 1], _sub_plan(plan, s, e),
-                                               do[:, s:e], None, warmup)
+                                               do[:, s:e], None, warmup, walks)
                 D[i] = grads[5][0]
         # M'_p is nonzero only where the first sequence also leaves the part: the forward's M
         exchange = _Exchange(cp, D, M_spanning)
@@ -153,7 +154,8 @@ class InterCardCPFunction(torch.autograd.Function):
         for piece in cp.pieces:
             if piece.last_seq_continues:
                 dht[cp.last_sequence_of(piece)] = X[piece.index]
-        dq, dk, dv, dg, dbeta, _ = torch_backend.backward(q, k, v, g, beta, scale, initial_state, plan, do, dht, warmup)
+        dq, dk, dv, dg, dbeta, _ = torch_backend.backward(q, k, v, g, beta, scale, initial_state, plan, do, dht, warmup,
+                                                          walks)
         return dq, dk, dv, dg, dbeta, None, None, None, None, None
 
 

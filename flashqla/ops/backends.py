@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from ..cp import segments
-from . import torch_backend
+from . import reference, torch_backend
 
 log = logging.getLogger("flashqla")
 
@@ -86,8 +86,17 @@ def forward(name: str, call: Call, scale: float, output_final_state: bool, plan,
     return torch_backend.forward(c.q, c.k, c.v, c.g, c.beta, scale, c.initial_state, output_final_state, plan, cp_warmup)
 
 
+def walks_for(name: str, dtype: torch.dtype):
+    """The serial walks of the backward: TileLang kernels on the "tilelang" backend, else torch."""
+    if name == "tilelang":
+        hopper, _ = _hopper_kernels()
+        return hopper.KernelWalks(dtype)
+    return reference.ReferenceWalks
+
+
 def backward(name: str, call: Call, scale: float, plan, cp_warmup, do, dht):
-    # The fused TileLang backward comes with its own issue; until then every backend differentiates
-    # through the reference chunked backward, which recomputes the states from the inputs.
+    # Every backend differentiates through the reference chunked backward (states recomputed from the
+    # inputs); on "tilelang" its two serial walks run as kernels, the chunk-local math in torch.
     c = call
-    return torch_backend.backward(c.q, c.k, c.v, c.g, c.beta, scale, c.initial_state, plan, do, dht, cp_warmup)
+    return torch_backend.backward(c.q, c.k, c.v, c.g, c.beta, scale, c.initial_state, plan, do, dht, cp_warmup,
+                                  walks_for(name, c.q.dtype))

@@ -162,35 +162,50 @@ def reverse_walk(x: ChunkInputs, b: BackwardTerms, dS_final: torch.Tensor, resta
         dVd    = diag(beta) (Gamma o A)^T dV_new                              (B2)
         dS     = gamma_last dS_next + (gamma Q)^T dOs - (gamma K)^T dVd       (B3)
     restart [rows, chunks, Hv] (optional): zero dS of that (row, head) before processing the chunk
-    (the mirror of the forward warmup). Returns (dS_out, dV_new, dVd) stacked over chunks, and dS0.
+    (the mirror of the forward warmup). Returns dS_out (stacked over chunks) and dS0.
     """
     betau = x.beta.unsqueeze(-1)
     chunks = x.q.shape[1]
     dS = dS_final.to(x.q.dtype)
-    dS_out, dV_new, dVd = [None] * chunks, [None] * chunks, [None] * chunks
+    dS_out = [None] * chunks
     for c in reversed(range(chunks)):
         if restart is not None:
             dS = dS.masked_fill(restart[:, c, :, None, None], 0.0)
         dS_out[c] = dS
-        dV_new[c] = b.P[:, c].transpose(-1, -2) @ b.dOs[:, c] + b.K_to_end[:, c] @ dS
-        dVd[c] = betau[:, c] * (b.Gamma_A[:, c].transpose(-1, -2) @ dV_new[c])
+        dV_new = b.P[:, c].transpose(-1, -2) @ b.dOs[:, c] + b.K_to_end[:, c] @ dS
+        dVd = betau[:, c] * (b.Gamma_A[:, c].transpose(-1, -2) @ dV_new)
         dS = (x.decay.gamma_last[:, c].unsqueeze(-1) * dS + b.Q_gamma[:, c].transpose(-1, -2) @ b.dOs[:, c]
-              - b.K_gamma[:, c].transpose(-1, -2) @ dVd[c])
-    return torch.stack(dS_out, 1), torch.stack(dV_new, 1), torch.stack(dVd, 1), dS
+              - b.K_gamma[:, c].transpose(-1, -2) @ dVd)
+    return torch.stack(dS_out, 1), dS
 
 
-def chunk_backward(x: ChunkInputs, S_in: torch.Tensor, dO: torch.Tensor, dS_final: torch.Tensor, scale: float,
-                   b: BackwardTerms | None = None):
-    """Gradients of the chunked forward (docs/algorithm.md, "Chunked backward").
+class ReferenceWalks:
+    """The two serial walks of the backward, in torch; the TileLang backend swaps in its kernels."""
 
-    The reverse walk of dS is serial; the rest is local to each chunk and computed for all chunks at
-    once. Returns dq, dk, dv, dgc, dbeta on the grid (v-head layout) and dS0.
+    @staticmethod
+    def states_in(x: ChunkInputs, S0: torch.Tensor) -> torch.Tensor:
+        """The state entering every chunk [rows, chunks, Hv, K, V] from S0 [rows, Hv, K, V]."""
+        return state_walk(x, S0, 1.0, with_output=False)[1]
+
+    @staticmethod
+    def state_gradients(x: ChunkInputs, b: BackwardTerms, dS_final: torch.Tensor):
+        """(dS_out [rows, chunks, Hv, K, V], dS0 [rows, Hv, K, V]) from dS_final [rows, Hv, K, V]."""
+        return reverse_walk(x, b, dS_final)
+
+
+def chunk_backward(x: ChunkInputs, b: BackwardTerms, S_in: torch.Tensor, dS_out: torch.Tensor):
+    """Gradients of the chunked forward (docs/algorithm.md, "Chunked backward"), local to every chunk.
+
+    S_in / dS_out: the state entering / the gradient of the state leaving every chunk, from the two
+    serial walks. Everything here is computed for all chunks at once. Returns dq, dk, dv, dgc, dbeta on
+    the grid (v-head layout).
     """
     d = x.decay
-    b = backward_terms(x, dO, scale) if b is None else b
-    dS_out, dV_new, dVd, dS0 = reverse_walk(x, b, dS_final)
     betau = x.beta.unsqueeze(-1)
     dOs, P, Gamma_A = b.dOs, b.P, b.Gamma_A
+    # B1, B2 for every chunk at once from dS_out
+    dV_new = P.transpose(-1, -2) @ dOs + b.K_to_end @ dS_out
+    dVd = betau * (Gamma_A.transpose(-1, -2) @ dV_new)
 
     # forward quantities that depend on the state entering each chunk
     Vd = x.v - b.K_gamma @ S_in
@@ -228,4 +243,4 @@ def chunk_backward(x: ChunkInputs, S_in: torch.Tensor, dO: torch.Tensor, dS_fina
     dVd_S = dVd @ S_in.transpose(-1, -2)
     dk = dk - d.gamma.unsqueeze(-1) * dVd_S
     dgc = dgc - (b.K_gamma * dVd_S).sum(-1)
-    return dq, dk, dVd, dgc, dbeta, dS0
+    return dq, dk, dVd, dgc, dbeta

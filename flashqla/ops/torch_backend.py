@@ -62,12 +62,17 @@ def forward(q, k, v, g, beta, scale, initial_state, output_final_state, plan: Se
     return o, final_state
 
 
-def backward(q, k, v, g, beta, scale, initial_state, plan: SegmentPlan, do, dht, cp_warmup=-10.0):
-    """Gradients (dq, dk, dv, dg, dbeta, dh0) in the dtypes of (q, k, v, g, beta, initial_state)."""
+def backward(q, k, v, g, beta, scale, initial_state, plan: SegmentPlan, do, dht, cp_warmup=-10.0,
+             walks=reference.ReferenceWalks):
+    """Gradients (dq, dk, dv, dg, dbeta, dh0) in the dtypes of (q, k, v, g, beta, initial_state).
+
+    `walks` runs the two serial walks (states forward, state gradients in reverse); the TileLang
+    backend passes its kernels (flashqla/kernels/hopper/grid_walks.py), the rest stays on this grid.
+    """
     p = _Prepared(q, k, v, g, beta, initial_state, plan)
     x = p.x
     S0, M, bwd = p.segment_states(cp_warmup, for_backward=True)
-    _, S_in, _ = reference.state_walk(x, S0, scale, with_output=False)
+    S_in = walks.states_in(x, S0)
     dO = p.grid.gather(_flat(do).to(x.q.dtype)).movedim(3, 2)
     b = reference.backward_terms(x, dO, scale)
     dS_sequences = dht.to(x.q.dtype) if dht is not None else torch.zeros_like(p.S0_sequences)
@@ -75,7 +80,8 @@ def backward(q, k, v, g, beta, scale, initial_state, plan: SegmentPlan, do, dht,
         dS_final = intra.segment_final_gradients(x, b, plan, bwd, M, dS_sequences)
     else:
         dS_final = dS_sequences
-    dq, dk, dv, dgc, dbeta, dS0 = reference.chunk_backward(x, S_in, dO, dS_final, scale, b)
+    dS_out, dS0 = walks.state_gradients(x, b, dS_final)
+    dq, dk, dv, dgc, dbeta = reference.chunk_backward(x, b, S_in, dS_out)
     # gc = cumsum(g) inside each chunk, so dg is the reverse cumsum of dgc
     dg = dgc.flip(-1).cumsum(-1).flip(-1)
 

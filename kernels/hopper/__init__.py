@@ -4,17 +4,20 @@ Dispatch contract (flashqla/ops/backends.py):
     unsupported_reason(q, k, v, g, beta, initial_state, cu_seqlens) -> str | None
     chunk_gdn_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens) -> (o, ht | None)
 
-Two launches per forward: `wy_inverse` (A diag(beta) and the chunk-local cumsum of g, per chunk and
-v-head) then `fused_fwd` (the whole state walk per sequence, v-head and V tile). Nothing here imports
+Forward, three launches: `wy_inverse` (W, U and the chunk-local cumsum of g, per chunk and v-head),
+`chunk_states` (the serial state walk per sequence, v-head and V tile), `chunk_output` (all chunks at
+once). Backward: `KernelWalks` runs its two serial walks (`chunk_states`, `chunk_dstates`) on the
+reference's chunk grid; the chunk-local gradient math stays in torch. Nothing here imports
 tilelang or touches CUDA at import time; kernels compile on first use (or load from TileLang's cache).
 """
 from __future__ import annotations
 
 import torch
 
+from .grid_walks import KernelWalks
 from .launch import HEAD_DIM, block_v_for, chunk_gdn_fwd
 
-__all__ = ["unsupported_reason", "chunk_gdn_fwd", "block_v_for"]
+__all__ = ["unsupported_reason", "chunk_gdn_fwd", "block_v_for", "KernelWalks"]
 
 _DTYPES = (torch.bfloat16, torch.float16)
 

@@ -28,6 +28,7 @@ import tilelang.language as T
 
 CHUNK = 64
 HEAD_DIM = 128
+LOG2E = 1.4426950408889634
 
 
 def build_wy_inverse(dtype: str):
@@ -45,8 +46,11 @@ def build_wy_inverse(dtype: str):
         g: T.Tensor((num_tokens, num_v_heads), "float32"),
         cu_seqlens: T.Tensor((num_seqs + 1,), "int32"),
         chunk_offsets: T.Tensor((num_seqs + 1,), "int32"),
+        v: T.Tensor((num_tokens, num_v_heads, D), dtype),
         Ab: T.Tensor((num_tokens, num_v_heads, C), dtype),
         gcum: T.Tensor((num_v_heads, num_tokens), "float32"),
+        w: T.Tensor((num_tokens, num_v_heads, D), dtype),
+        u: T.Tensor((num_tokens, num_v_heads, D), dtype),
         num_chunk_slots: T.int32,
         search_steps: T.int32,
     ):
@@ -68,6 +72,10 @@ def build_wy_inverse(dtype: str):
             tmp32 = T.alloc_fragment((32, 32), "float32")
             tmp32_sh = T.alloc_shared((32, 32), "float32")
             out32 = T.alloc_fragment((32, 32), "float32")
+            V_sh = T.alloc_shared((C, D), dtype)
+            Ab_sh = T.alloc_shared((C, C), dtype)
+            GAb_sh = T.alloc_shared((C, C), dtype)
+            WU = T.alloc_fragment((C, D), "float32")
 
             # --- which sequence and chunk this CTA owns -------------------------------------------
             lo = T.alloc_var("int32")
@@ -137,7 +145,23 @@ def build_wy_inverse(dtype: str):
 
             # --- Ab = X diag(beta), rows that exist --------------------------------------------------
             for r, s in T.Parallel(C, C):
+                Ab_sh[r, s] = T.cast(X_sh[r, s] * beta_sh[s], dtype)
+                GAb_sh[r, s] = T.if_then_else(
+                    r >= s, T.cast(X_sh[r, s] * beta_sh[s] * T.exp2((g_sh[r] - g_sh[s]) * LOG2E), dtype),
+                    T.cast(0, dtype))
                 if r < n_rows:
                     Ab[start + r, h, s] = T.cast(X_sh[r, s] * beta_sh[s], dtype)
+
+            # --- W = diag(gamma) Ab K  (Gamma_rs gamma_s = gamma_r),  U = (Gamma o Ab) V -------------
+            for r, d in T.Parallel(C, D):
+                V_sh[r, d] = T.if_then_else(r < n_rows, v[start + T.min(r, last), h, d], T.cast(0, dtype))
+            T.gemm(Ab_sh, K_sh, WU, clear_accum=True)
+            for r, d in T.Parallel(C, D):
+                if r < n_rows:
+                    w[start + r, h, d] = T.cast(WU[r, d] * T.exp2(g_sh[r] * LOG2E), dtype)
+            T.gemm(GAb_sh, V_sh, WU, clear_accum=True)
+            for r, d in T.Parallel(C, D):
+                if r < n_rows:
+                    u[start + r, h, d] = T.cast(WU[r, d], dtype)
 
     return wy_inverse

@@ -1,0 +1,142 @@
+"""Reverse state-gradient walk: the only serial part of the GDN backward (docs/algorithm.md B1-B3).
+
+With W = diag(gamma) A diag(beta) K (so (gamma K)^T dVd = W^T dV'), the local term dV'_loc =
+(Gamma o Q K^T)^T dOs computed for all chunks beforehand, and dOs = scale dO, one chunk in reverse is
+
+    dV' = dV'_loc + diag(gamma_last / gamma) K dS
+    dS  = gamma_last dS + (diag(gamma) Q)^T dOs - W^T dV'
+
+One CTA per (V tile, sequence, v-head) walks its chunks from the last to the first, dS [128 x block_v]
+in fp32 fragments, writing per chunk the gradient of the state leaving it (`dh`, input dtype, at the
+chunk's global index) and at the end dS0, the gradient of the initial state.
+
+Every sequence must be a whole number of chunks: the backward runs this kernel on the reference's chunk
+grid (flashqla/ops/layout.py) laid out as a token stream, where padding slots are zero (identity steps).
+"""
+import tilelang.language as T
+
+from .chunk_states import threads_for
+
+CHUNK = 64
+HEAD_DIM = 128
+LOG2E = 1.4426950408889634
+
+
+def build_chunk_dstates(dtype: str, block_v: int):
+    if HEAD_DIM % block_v:
+        raise ValueError(f"block_v must divide {HEAD_DIM}, got {block_v}")
+    num_tokens = T.dynamic("num_tokens")
+    num_qk_heads = T.dynamic("num_qk_heads")
+    num_v_heads = T.dynamic("num_v_heads")
+    num_seqs = T.dynamic("num_seqs")
+    num_chunk_slots = T.dynamic("num_chunk_slots")
+    num_dht = T.dynamic("num_dht")
+    num_dh0 = T.dynamic("num_dh0")
+    C, D, BV = CHUNK, HEAD_DIM, block_v
+
+    @T.macro
+    def load_chunk(q, k, w, dos, dvloc, gcum, t0, hk, h, v0, Q_s, K_s, W_s, dO_s, dVl_s, graw_s):
+        T.async_copy(q[t0:t0 + C, hk, 0:D], Q_s)
+        T.async_copy(k[t0:t0 + C, hk, 0:D], K_s)
+        T.async_copy(w[t0:t0 + C, h, 0:D], W_s)
+        T.async_copy(dos[t0:t0 + C, h, v0:v0 + BV], dO_s)
+        T.async_copy(dvloc[t0:t0 + C, h, v0:v0 + BV], dVl_s)
+        T.async_copy(gcum[h, t0:t0 + C], graw_s)
+
+    @T.macro
+    def chunk_step(dh_out, chunk_index, h, v0, Q_s, K_s, W_s, dO_s, dVl_s, graw_s, gc_sh, dS_sh, X_sh, dOg_sh, dS,
+                   KdS):
+        for r in T.Parallel(C):
+            gc_sh[r] = graw_s[r] * LOG2E
+        T.copy(dS_sh, dh_out[chunk_index, h, 0:D, v0:v0 + BV])
+
+        # dV' = dV'_loc + diag(gamma_last / gamma) K dS, kept negated for the W^T product
+        T.gemm(K_s, dS_sh, KdS, clear_accum=True)
+        for r, j in T.Parallel(C, BV):
+            X_sh[r, j] = -(dVl_s[r, j] + T.exp2(gc_sh[C - 1] - gc_sh[r]) * KdS[r, j])
+            dOg_sh[r, j] = dO_s[r, j] * T.exp2(gc_sh[r])
+
+        # dS = gamma_last dS + (gamma Q)^T dOs - W^T dV'
+        for i, j in T.Parallel(D, BV):
+            dS[i, j] = dS[i, j] * T.exp2(gc_sh[C - 1])
+        T.gemm(Q_s, dOg_sh, dS, transpose_A=True)
+        T.gemm(W_s, X_sh, dS, transpose_A=True)
+        T.copy(dS, dS_sh)
+
+    @T.prim_func
+    def chunk_dstates(
+        q: T.Tensor((num_tokens, num_qk_heads, D), dtype),
+        k: T.Tensor((num_tokens, num_qk_heads, D), dtype),
+        w: T.Tensor((num_tokens, num_v_heads, D), dtype),
+        dos: T.Tensor((num_tokens, num_v_heads, D), dtype),
+        dvloc: T.Tensor((num_tokens, num_v_heads, D), dtype),
+        gcum: T.Tensor((num_v_heads, num_tokens), "float32"),
+        cu_seqlens: T.Tensor((num_seqs + 1,), "int32"),
+        chunk_offsets: T.Tensor((num_seqs + 1,), "int32"),
+        dht: T.Tensor((num_dht, D, D), "float32"),
+        dh_out: T.Tensor((num_chunk_slots, num_v_heads, D, D), dtype),
+        dh0: T.Tensor((num_dh0, D, D), "float32"),
+        use_dht: T.int32,
+        store_dh0: T.int32,
+    ):
+        with T.Kernel(D // BV, num_seqs, num_v_heads, threads=threads_for(BV)) as (bv, n, h):
+            hk = T.alloc_var("int32")
+            bos = T.alloc_var("int32")
+            eos = T.alloc_var("int32")
+            hk = h // (num_v_heads // num_qk_heads)
+            bos = cu_seqlens[n]
+            eos = cu_seqlens[n + 1]
+            v0 = bv * BV
+            state_row = n * num_v_heads + h
+            num_chunks = T.ceildiv(eos - bos, C)
+
+            Q0, Q1 = T.alloc_shared((C, D), dtype), T.alloc_shared((C, D), dtype)
+            K0, K1 = T.alloc_shared((C, D), dtype), T.alloc_shared((C, D), dtype)
+            W0, W1 = T.alloc_shared((C, D), dtype), T.alloc_shared((C, D), dtype)
+            dO0, dO1 = T.alloc_shared((C, BV), dtype), T.alloc_shared((C, BV), dtype)
+            dVl0, dVl1 = T.alloc_shared((C, BV), dtype), T.alloc_shared((C, BV), dtype)
+            graw0, graw1 = T.alloc_shared((C,), "float32"), T.alloc_shared((C,), "float32")
+            gc_sh = T.alloc_shared((C,), "float32")
+            dS_sh = T.alloc_shared((D, BV), dtype)
+            X_sh = T.alloc_shared((C, BV), dtype)
+            dOg_sh = T.alloc_shared((C, BV), dtype)
+            dS = T.alloc_fragment((D, BV), "float32")
+            KdS = T.alloc_fragment((C, BV), "float32")
+
+            if use_dht != 0:
+                T.copy(dht[state_row, 0:D, v0:v0 + BV], dS)
+            else:
+                T.clear(dS)
+            T.copy(dS, dS_sh)
+            last_t0 = bos + (num_chunks - 1) * C
+            load_chunk(q, k, w, dos, dvloc, gcum, last_t0, hk, h, v0, Q0, K0, W0, dO0, dVl0, graw0)
+
+            for i in T.serial(num_chunks):
+                c = num_chunks - 1 - i
+                chunk_index = chunk_offsets[n] + c
+                if i % 2 == 0:
+                    if i + 1 < num_chunks:
+                        load_chunk(q, k, w, dos, dvloc, gcum, bos + (c - 1) * C, hk, h, v0, Q1, K1, W1, dO1, dVl1,
+                                   graw1)
+                        T.ptx_wait_group(6)
+                    else:
+                        T.ptx_wait_group(0)
+                    T.sync_threads()
+                    chunk_step(dh_out, chunk_index, h, v0, Q0, K0, W0, dO0, dVl0, graw0, gc_sh, dS_sh, X_sh, dOg_sh,
+                               dS, KdS)
+                else:
+                    if i + 1 < num_chunks:
+                        load_chunk(q, k, w, dos, dvloc, gcum, bos + (c - 1) * C, hk, h, v0, Q0, K0, W0, dO0, dVl0,
+                                   graw0)
+                        T.ptx_wait_group(6)
+                    else:
+                        T.ptx_wait_group(0)
+                    T.sync_threads()
+                    chunk_step(dh_out, chunk_index, h, v0, Q1, K1, W1, dO1, dVl1, graw1, gc_sh, dS_sh, X_sh, dOg_sh,
+                               dS, KdS)
+                T.sync_threads()
+
+            if store_dh0 != 0:
+                T.copy(dS, dh0[state_row, 0:D, v0:v0 + BV])
+
+    return chunk_dstates

@@ -1,0 +1,83 @@
+"""Output of every chunk at once, from the states `chunk_states` wrote (design doc §2, docs/algorithm.md F4):
+
+    O = scale (diag(gamma) Q S + (Lower(Gamma) o Q K^T) V')
+
+One CTA per (chunk slot, v-head) with the whole 128-wide V; chunk slot c finds its sequence by binary
+search in `chunk_offsets` (as in wy_inverse). Slots past the last chunk and rows past the end of a
+sequence store nothing; K and V' rows past the end are loaded as zeros, so garbage (or the NaN poison
+of a test) behind them cannot reach a stored row through 0 * NaN.
+"""
+import tilelang.language as T
+
+CHUNK = 64
+HEAD_DIM = 128
+LOG2E = 1.4426950408889634
+
+
+def build_chunk_output(dtype: str):
+    num_tokens = T.dynamic("num_tokens")
+    num_qk_heads = T.dynamic("num_qk_heads")
+    num_v_heads = T.dynamic("num_v_heads")
+    num_seqs = T.dynamic("num_seqs")
+    num_chunk_slots = T.dynamic("num_chunk_slots")
+    C, D = CHUNK, HEAD_DIM
+
+    @T.prim_func
+    def chunk_output(
+        q: T.Tensor((num_tokens, num_qk_heads, D), dtype),
+        k: T.Tensor((num_tokens, num_qk_heads, D), dtype),
+        vnew: T.Tensor((num_tokens, num_v_heads, D), dtype),
+        gcum: T.Tensor((num_v_heads, num_tokens), "float32"),
+        h_in: T.Tensor((num_chunk_slots, num_v_heads, D, D), dtype),
+        cu_seqlens: T.Tensor((num_seqs + 1,), "int32"),
+        chunk_offsets: T.Tensor((num_seqs + 1,), "int32"),
+        o: T.Tensor((num_tokens, num_v_heads, D), dtype),
+        scale: T.float32,
+        search_steps: T.int32,
+    ):
+        with T.Kernel(num_chunk_slots, num_v_heads, threads=128) as (chunk, h):
+            hk = h // (num_v_heads // num_qk_heads)
+            Q_s = T.alloc_shared((C, D), dtype)
+            K_s = T.alloc_shared((C, D), dtype)
+            S_s = T.alloc_shared((D, D), dtype)
+            Vn_s = T.alloc_shared((C, D), dtype)
+            P_s = T.alloc_shared((C, C), dtype)
+            gc_sh = T.alloc_shared((C,), "float32")
+            O = T.alloc_fragment((C, D), "float32")
+            P = T.alloc_fragment((C, C), "float32")
+
+            lo = T.alloc_var("int32")
+            hi = T.alloc_var("int32")
+            lo = 0
+            hi = num_seqs - 1
+            for _ in T.serial(search_steps):
+                mid = (lo + hi + 1) // 2
+                if chunk_offsets[mid] <= chunk:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            start = cu_seqlens[lo] + (chunk - chunk_offsets[lo]) * C
+            n_rows = T.if_then_else(chunk < chunk_offsets[num_seqs], T.min(C, cu_seqlens[lo + 1] - start), 0)
+            last = T.max(n_rows - 1, 0)
+
+            if n_rows > 0:
+                for r, d in T.Parallel(C, D):
+                    Q_s[r, d] = q[start + T.min(r, last), hk, d]
+                    K_s[r, d] = T.if_then_else(r < n_rows, k[start + T.min(r, last), hk, d], T.cast(0, dtype))
+                    Vn_s[r, d] = T.if_then_else(r < n_rows, vnew[start + T.min(r, last), h, d], T.cast(0, dtype))
+                for r in T.Parallel(C):
+                    gc_sh[r] = gcum[h, start + T.min(r, last)] * LOG2E
+                T.copy(h_in[chunk, h, 0:D, 0:D], S_s)
+
+                T.gemm(Q_s, S_s, O, clear_accum=True)
+                T.gemm(Q_s, K_s, P, transpose_B=True, clear_accum=True)
+                for r, s in T.Parallel(C, C):
+                    P_s[r, s] = T.if_then_else(r >= s, P[r, s] * T.exp2(gc_sh[r] - gc_sh[s]), 0.0)
+                for r, j in T.Parallel(C, D):
+                    O[r, j] = O[r, j] * T.exp2(gc_sh[r])
+                T.gemm(P_s, Vn_s, O)
+                for r, j in T.Parallel(C, D):
+                    if r < n_rows:
+                        o[start + r, h, j] = O[r, j] * scale
+
+    return chunk_output

@@ -1,0 +1,148 @@
+"""State walk: the only serial part of the GDN forward, with the WY products taken off the chain.
+
+With W = diag(gamma) A diag(beta) K and U = (Gamma o A) diag(beta) V precomputed per chunk by
+`wy_inverse` (design doc §2, docs/algorithm.md F2-F3), one chunk of the recurrence is two GEMMs:
+
+    V' = U - W S                                   (V' = "V new" of the reference)
+    S  = gamma_last S + K^T diag(gamma_last / gamma) V'
+
+One CTA per (V tile, sequence, v-head) walks the chunks of its sequence with S [128 x block_v] in fp32
+fragments and writes, per chunk, the state entering it (`h`, in the input dtype, at the chunk's global
+index `chunk_offsets[n] + c`) and V' (token layout). `chunk_output` then computes O for all chunks in
+parallel. The same walk with U = 0 and S0 = I gives the transition product M of a segment (§3).
+
+Rows past the end of a sequence: K rows are zeroed after they land (they cannot touch S), gate rows
+repeat the last valid one (gamma_last is the gate at the last token, no exp2 argument is positive), and
+the V' rows they produce are not stored.
+
+Loads are double buffered with cp.async (chunk c + 1 lands while chunk c computes); 128 threads for
+block_v <= 64 (one warpgroup), 256 for block_v = 128.
+"""
+import tilelang.language as T
+
+CHUNK = 64
+HEAD_DIM = 128
+LOG2E = 1.4426950408889634
+
+
+def threads_for(block_v: int) -> int:
+    return 128 if block_v <= 64 else 256
+
+
+def build_chunk_states(dtype: str, block_v: int):
+    """The prim_func for q/k/v dtype `dtype` and V tile width `block_v`; all sizes are dynamic."""
+    if HEAD_DIM % block_v:
+        raise ValueError(f"block_v must divide {HEAD_DIM}, got {block_v}")
+    num_tokens = T.dynamic("num_tokens")
+    num_qk_heads = T.dynamic("num_qk_heads")
+    num_v_heads = T.dynamic("num_v_heads")
+    num_seqs = T.dynamic("num_seqs")
+    num_chunk_slots = T.dynamic("num_chunk_slots")
+    num_h0 = T.dynamic("num_h0")
+    num_ht = T.dynamic("num_ht")
+    C, D, BV = CHUNK, HEAD_DIM, block_v
+
+    @T.macro
+    def load_chunk(k, w, u, gcum, t0, hk, h, v0, K_s, W_s, U_s, graw_s):
+        """cp.async the chunk starting at token t0 into one stage (four commit groups)."""
+        T.async_copy(k[t0:t0 + C, hk, 0:D], K_s)
+        T.async_copy(w[t0:t0 + C, h, 0:D], W_s)
+        T.async_copy(u[t0:t0 + C, h, v0:v0 + BV], U_s)
+        T.async_copy(gcum[h, t0:t0 + C], graw_s)
+
+    @T.macro
+    def chunk_step(h_out, vnew, t0, n_rows, chunk_index, h, v0, K_s, W_s, U_s, graw_s, gc_sh, S_sh, Vs_sh, S, Vn):
+        if n_rows < C:
+            for r, d in T.Parallel(C, D):
+                if r >= n_rows:
+                    K_s[r, d] = T.cast(0, dtype)
+        for r in T.Parallel(C):
+            gc_sh[r] = graw_s[T.min(r, n_rows - 1)] * LOG2E
+        T.copy(S_sh, h_out[chunk_index, h, 0:D, v0:v0 + BV])
+
+        # V' = U - W S
+        T.gemm(W_s, S_sh, Vn, clear_accum=True)
+        for r, j in T.Parallel(C, BV):
+            Vn[r, j] = U_s[r, j] - Vn[r, j]
+        for r, j in T.Parallel(C, BV):
+            if r < n_rows:
+                vnew[t0 + r, h, v0 + j] = Vn[r, j]
+            Vs_sh[r, j] = Vn[r, j] * T.exp2(gc_sh[C - 1] - gc_sh[r])
+
+        # S = gamma_last S + K^T diag(gamma_last / gamma) V'
+        for i, j in T.Parallel(D, BV):
+            S[i, j] = S[i, j] * T.exp2(gc_sh[C - 1])
+        T.gemm(K_s, Vs_sh, S, transpose_A=True)
+        T.copy(S, S_sh)
+
+    @T.prim_func
+    def chunk_states(
+        k: T.Tensor((num_tokens, num_qk_heads, D), dtype),
+        w: T.Tensor((num_tokens, num_v_heads, D), dtype),
+        u: T.Tensor((num_tokens, num_v_heads, D), dtype),
+        gcum: T.Tensor((num_v_heads, num_tokens), "float32"),
+        cu_seqlens: T.Tensor((num_seqs + 1,), "int32"),
+        chunk_offsets: T.Tensor((num_seqs + 1,), "int32"),
+        h0: T.Tensor((num_h0, D, D), "float32"),
+        h_out: T.Tensor((num_chunk_slots, num_v_heads, D, D), dtype),
+        vnew: T.Tensor((num_tokens, num_v_heads, D), dtype),
+        ht: T.Tensor((num_ht, D, D), "float32"),
+        use_h0: T.int32,
+        store_ht: T.int32,
+    ):
+        with T.Kernel(D // BV, num_seqs, num_v_heads, threads=threads_for(BV)) as (bv, n, h):
+            hk = T.alloc_var("int32")
+            bos = T.alloc_var("int32")
+            eos = T.alloc_var("int32")
+            hk = h // (num_v_heads // num_qk_heads)
+            bos = cu_seqlens[n]
+            eos = cu_seqlens[n + 1]
+            v0 = bv * BV
+            state_row = n * num_v_heads + h
+            num_chunks = T.ceildiv(eos - bos, C)
+
+            K0, K1 = T.alloc_shared((C, D), dtype), T.alloc_shared((C, D), dtype)
+            W0, W1 = T.alloc_shared((C, D), dtype), T.alloc_shared((C, D), dtype)
+            U0, U1 = T.alloc_shared((C, BV), dtype), T.alloc_shared((C, BV), dtype)
+            graw0, graw1 = T.alloc_shared((C,), "float32"), T.alloc_shared((C,), "float32")
+            gc_sh = T.alloc_shared((C,), "float32")
+            S_sh = T.alloc_shared((D, BV), dtype)
+            Vs_sh = T.alloc_shared((C, BV), dtype)
+            S = T.alloc_fragment((D, BV), "float32")
+            Vn = T.alloc_fragment((C, BV), "float32")
+
+            if use_h0 != 0:
+                T.copy(h0[state_row, 0:D, v0:v0 + BV], S)
+            else:
+                T.clear(S)
+            T.copy(S, S_sh)
+            load_chunk(k, w, u, gcum, bos, hk, h, v0, K0, W0, U0, graw0)
+
+            for c in T.serial(num_chunks):
+                t0 = bos + c * C
+                n_rows = T.min(C, eos - t0)
+                chunk_index = chunk_offsets[n] + c
+                if c % 2 == 0:
+                    if c + 1 < num_chunks:
+                        load_chunk(k, w, u, gcum, t0 + C, hk, h, v0, K1, W1, U1, graw1)
+                        T.ptx_wait_group(4)
+                    else:
+                        T.ptx_wait_group(0)
+                    T.sync_threads()
+                    chunk_step(h_out, vnew, t0, n_rows, chunk_index, h, v0, K0, W0, U0, graw0, gc_sh, S_sh, Vs_sh,
+                               S, Vn)
+                else:
+                    if c + 1 < num_chunks:
+                        load_chunk(k, w, u, gcum, t0 + C, hk, h, v0, K0, W0, U0, graw0)
+                        T.ptx_wait_group(4)
+                    else:
+                        T.ptx_wait_group(0)
+                    T.sync_threads()
+                    chunk_step(h_out, vnew, t0, n_rows, chunk_index, h, v0, K1, W1, U1, graw1, gc_sh, S_sh, Vs_sh,
+                               S, Vn)
+                T.sync_threads()  # the stage just used is refilled by the next iteration's loads
+
+            if store_ht != 0:
+                T.copy(S, ht[state_row, 0:D, v0:v0 + BV])
+
+    return chunk_states

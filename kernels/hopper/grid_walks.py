@@ -1,0 +1,71 @@
+"""The backward's two serial walks on TileLang kernels, over the reference's chunk grid.
+
+`flashqla.ops.torch_backend.backward` computes everything local to a chunk for all chunks at once in
+torch (fp32) and hands the two serial walks to a `walks` object; this one runs them as `chunk_states`
+and `chunk_dstates` (kernels/hopper/chunk_states.py, chunk_dstates.py). The grid [rows, chunks, Hv, C, D]
+is laid out as a token stream in which every row is a sequence of chunks * C tokens: padding slots are
+zeros (identity steps), so every sequence is a whole number of chunks, as chunk_dstates requires.
+q and k are already expanded to the v-heads on the grid. Operands go to the kernels in the input dtype
+(bf16/fp16); states and state gradients come back in that dtype and are widened for the local math.
+"""
+from __future__ import annotations
+
+import torch
+
+from .launch import CHUNK, HEAD_DIM, _sm_count, block_v_for, compiled_chunk_dstates, compiled_chunk_states
+
+_TORCH_TO_TL = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def _stream(xc: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[rows, chunks, H, C, D] -> [rows * chunks * C, H, D] in `dtype`."""
+    rows, chunks, H, C, D = xc.shape
+    return xc.transpose(2, 3).reshape(rows * chunks * C, H, D).to(dtype).contiguous()
+
+
+def _gate_stream(gc: torch.Tensor) -> torch.Tensor:
+    """[rows, chunks, H, C] chunk-local cumulative gates -> [H, rows * chunks * C] fp32."""
+    return gc.permute(2, 0, 1, 3).reshape(gc.shape[2], -1).float().contiguous()
+
+
+class KernelWalks:
+    def __init__(self, dtype: torch.dtype):
+        self.dtype = dtype
+        self.tl_dtype = _TORCH_TO_TL[dtype]
+
+    def _layout(self, x):
+        rows, chunks, Hv = x.q.shape[:3]
+        device = x.q.device
+        cu = torch.arange(rows + 1, dtype=torch.int32, device=device) * (chunks * CHUNK)
+        offsets = torch.arange(rows + 1, dtype=torch.int32, device=device) * chunks
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return rows, chunks, Hv, cu, offsets, block_v_for(rows, Hv, _sm_count(index))
+
+    @staticmethod
+    def _w(x) -> torch.Tensor:
+        """W = diag(gamma) A diag(beta) K per chunk (docs/algorithm.md F2)."""
+        return x.decay.gamma.unsqueeze(-1) * (x.A @ (x.beta.unsqueeze(-1) * x.k))
+
+    def states_in(self, x, S0: torch.Tensor) -> torch.Tensor:
+        rows, chunks, Hv, cu, offsets, block_v = self._layout(x)
+        U = (x.decay.Gamma * x.A) @ (x.beta.unsqueeze(-1) * x.v)
+        k, w, u = (_stream(t, self.dtype) for t in (x.k, self._w(x), U))
+        h = torch.empty(rows * chunks, Hv, HEAD_DIM, HEAD_DIM, dtype=self.dtype, device=k.device)
+        vnew = torch.empty_like(u)
+        h0 = S0.float().reshape(rows * Hv, HEAD_DIM, HEAD_DIM).contiguous()
+        unused_ht = torch.empty(1, HEAD_DIM, HEAD_DIM, dtype=torch.float32, device=k.device)
+        compiled_chunk_states(self.tl_dtype, block_v)(k, w, u, _gate_stream(x.gc), cu, offsets, h0, h, vnew,
+                                                      unused_ht, 1, 0)
+        return h.view(rows, chunks, Hv, HEAD_DIM, HEAD_DIM).to(x.q.dtype)
+
+    def state_gradients(self, x, b, dS_final: torch.Tensor):
+        rows, chunks, Hv, cu, offsets, block_v = self._layout(x)
+        dV_local = b.P.transpose(-1, -2) @ b.dOs  # B1 without the dS term, for all chunks at once
+        q, k, w, dOs, dVl = (_stream(t, self.dtype) for t in (x.q, x.k, self._w(x), b.dOs, dV_local))
+        dh = torch.empty(rows * chunks, Hv, HEAD_DIM, HEAD_DIM, dtype=self.dtype, device=k.device)
+        dht = dS_final.float().reshape(rows * Hv, HEAD_DIM, HEAD_DIM).contiguous()
+        dh0 = torch.empty_like(dht)
+        compiled_chunk_dstates(self.tl_dtype, block_v)(q, k, w, dOs, dVl, _gate_stream(x.gc), cu, offsets, dht, dh,
+                                                       dh0, 1, 1)
+        work = x.q.dtype
+        return dh.view(rows, chunks, Hv, HEAD_DIM, HEAD_DIM).to(work), dh0.view(rows, Hv, HEAD_DIM, HEAD_DIM).to(work)
