@@ -4,8 +4,9 @@
 
 One CTA per (chunk slot, v-head) with the whole 128-wide V; chunk slot c finds its sequence by binary
 search in `chunk_offsets` (as in wy_inverse). Slots past the last chunk and rows past the end of a
-sequence store nothing; K and V' rows past the end are loaded as zeros, so garbage (or the NaN poison
-of a test) behind them cannot reach a stored row through 0 * NaN.
+sequence store nothing. Tiles are copied whole (rows past the tensor end come in as zeros); V' rows
+past the sequence end are then zeroed, so whatever lies behind them (the NaN poison of a test) cannot
+reach a stored row through 0 * NaN; K rows there only reach P entries the causal mask removes.
 """
 import tilelang.language as T
 
@@ -61,13 +62,16 @@ def build_chunk_output(dtype: str):
             last = T.max(n_rows - 1, 0)
 
             if n_rows > 0:
-                for r, d in T.Parallel(C, D):
-                    Q_s[r, d] = q[start + T.min(r, last), hk, d]
-                    K_s[r, d] = T.if_then_else(r < n_rows, k[start + T.min(r, last), hk, d], T.cast(0, dtype))
-                    Vn_s[r, d] = T.if_then_else(r < n_rows, vnew[start + T.min(r, last), h, d], T.cast(0, dtype))
+                T.copy(q[start:start + C, hk, 0:D], Q_s)
+                T.copy(k[start:start + C, hk, 0:D], K_s)
+                T.copy(vnew[start:start + C, h, 0:D], Vn_s)
+                T.copy(h_in[chunk, h, 0:D, 0:D], S_s)
                 for r in T.Parallel(C):
                     gc_sh[r] = gcum[h, start + T.min(r, last)] * LOG2E
-                T.copy(h_in[chunk, h, 0:D, 0:D], S_s)
+                if n_rows < C:
+                    for r, d in T.Parallel(C, D):
+                        if r >= n_rows:
+                            Vn_s[r, d] = T.cast(0, dtype)
 
                 T.gemm(Q_s, S_s, O, clear_accum=True)
                 T.gemm(Q_s, K_s, P, transpose_B=True, clear_accum=True)

@@ -1,7 +1,7 @@
 """State walk: the only serial part of the GDN forward, with the WY products taken off the chain.
 
 With W = diag(gamma) A diag(beta) K and U = (Gamma o A) diag(beta) V precomputed per chunk by
-`wy_inverse` (design doc §2, docs/algorithm.md F2-F3), one chunk of the recurrence is two GEMMs:
+`wy_inverse` (design doc §2, docs/algorithm.md W1-W2), one chunk of the recurrence is two GEMMs:
 
     V' = U - W S                                   (V' = "V new" of the reference)
     S  = gamma_last S + K^T diag(gamma_last / gamma) V'
@@ -9,7 +9,11 @@ With W = diag(gamma) A diag(beta) K and U = (Gamma o A) diag(beta) V precomputed
 One CTA per (V tile, sequence, v-head) walks the chunks of its sequence with S [128 x block_v] in fp32
 fragments and writes, per chunk, the state entering it (`h`, in the input dtype, at the chunk's global
 index `chunk_offsets[n] + c`) and V' (token layout). `chunk_output` then computes O for all chunks in
-parallel. The same walk with U = 0 and S0 = I gives the transition product M of a segment (§3).
+parallel.
+
+Runtime flags make the same kernel the state-only summary of intra-card CP (design doc §3, §5):
+`store_chunks = 0` writes only the final state (S* of a segment from S0 = 0), and `use_u = 0` drops U,
+so the walk from S0 = I ends at the segment's transition product M (S_end = M S0 + S*).
 
 Rows past the end of a sequence: K rows are zeroed after they land (they cannot touch S), gate rows
 repeat the last valid one (gamma_last is the gate at the last token, no exp2 argument is positive), and
@@ -51,22 +55,30 @@ def build_chunk_states(dtype: str, block_v: int):
         T.async_copy(gcum[h, t0:t0 + C], graw_s)
 
     @T.macro
-    def chunk_step(h_out, vnew, t0, n_rows, chunk_index, h, v0, K_s, W_s, U_s, graw_s, gc_sh, S_sh, Vs_sh, S, Vn):
+    def chunk_step(h_out, vnew, t0, n_rows, chunk_index, h, v0, store_chunks, use_u, K_s, W_s, U_s, graw_s, gc_sh, S_sh,
+                   Vs_sh, S, Vn):
         if n_rows < C:
             for r, d in T.Parallel(C, D):
                 if r >= n_rows:
                     K_s[r, d] = T.cast(0, dtype)
         for r in T.Parallel(C):
             gc_sh[r] = graw_s[T.min(r, n_rows - 1)] * LOG2E
-        T.copy(S_sh, h_out[chunk_index, h, 0:D, v0:v0 + BV])
+        if store_chunks != 0:
+            T.copy(S_sh, h_out[chunk_index, h, 0:D, v0:v0 + BV])
 
         # V' = U - W S
         T.gemm(W_s, S_sh, Vn, clear_accum=True)
+        if use_u != 0:
+            for r, j in T.Parallel(C, BV):
+                Vn[r, j] = U_s[r, j] - Vn[r, j]
+        else:
+            for r, j in T.Parallel(C, BV):
+                Vn[r, j] = -Vn[r, j]
+        if store_chunks != 0:
+            for r, j in T.Parallel(C, BV):
+                if r < n_rows:
+                    vnew[t0 + r, h, v0 + j] = Vn[r, j]
         for r, j in T.Parallel(C, BV):
-            Vn[r, j] = U_s[r, j] - Vn[r, j]
-        for r, j in T.Parallel(C, BV):
-            if r < n_rows:
-                vnew[t0 + r, h, v0 + j] = Vn[r, j]
             Vs_sh[r, j] = Vn[r, j] * T.exp2(gc_sh[C - 1] - gc_sh[r])
 
         # S = gamma_last S + K^T diag(gamma_last / gamma) V'
@@ -89,6 +101,8 @@ def build_chunk_states(dtype: str, block_v: int):
         ht: T.Tensor((num_ht, D, D), "float32"),
         use_h0: T.int32,
         store_ht: T.int32,
+        store_chunks: T.int32,
+        use_u: T.int32,
     ):
         with T.Kernel(D // BV, num_seqs, num_v_heads, threads=threads_for(BV)) as (bv, n, h):
             hk = T.alloc_var("int32")
@@ -129,7 +143,7 @@ def build_chunk_states(dtype: str, block_v: int):
                     else:
                         T.ptx_wait_group(0)
                     T.sync_threads()
-                    chunk_step(h_out, vnew, t0, n_rows, chunk_index, h, v0, K0, W0, U0, graw0, gc_sh, S_sh, Vs_sh,
+                    chunk_step(h_out, vnew, t0, n_rows, chunk_index, h, v0, store_chunks, use_u, K0, W0, U0, graw0, gc_sh, S_sh, Vs_sh,
                                S, Vn)
                 else:
                     if c + 1 < num_chunks:
@@ -138,7 +152,7 @@ def build_chunk_states(dtype: str, block_v: int):
                     else:
                         T.ptx_wait_group(0)
                     T.sync_threads()
-                    chunk_step(h_out, vnew, t0, n_rows, chunk_index, h, v0, K1, W1, U1, graw1, gc_sh, S_sh, Vs_sh,
+                    chunk_step(h_out, vnew, t0, n_rows, chunk_index, h, v0, store_chunks, use_u, K1, W1, U1, graw1, gc_sh, S_sh, Vs_sh,
                                S, Vn)
                 T.sync_threads()  # the stage just used is refilled by the next iteration's loads
 

@@ -43,7 +43,7 @@ class KernelWalks:
 
     @staticmethod
     def _w(x) -> torch.Tensor:
-        """W = diag(gamma) A diag(beta) K per chunk (docs/algorithm.md F2)."""
+        """W = diag(gamma) A diag(beta) K per chunk (docs/algorithm.md W1)."""
         return x.decay.gamma.unsqueeze(-1) * (x.A @ (x.beta.unsqueeze(-1) * x.k))
 
     def states_in(self, x, S0: torch.Tensor) -> torch.Tensor:
@@ -55,7 +55,7 @@ class KernelWalks:
         h0 = S0.float().reshape(rows * Hv, HEAD_DIM, HEAD_DIM).contiguous()
         unused_ht = torch.empty(1, HEAD_DIM, HEAD_DIM, dtype=torch.float32, device=k.device)
         compiled_chunk_states(self.tl_dtype, block_v)(k, w, u, _gate_stream(x.gc), cu, offsets, h0, h, vnew,
-                                                      unused_ht, 1, 0)
+                                                      unused_ht, 1, 0, 1, 1)
         return h.view(rows, chunks, Hv, HEAD_DIM, HEAD_DIM).to(x.q.dtype)
 
     def state_gradients(self, x, b, dS_final: torch.Tensor):

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 
@@ -106,16 +107,32 @@ def chunk_offsets_of(cu_seqlens: torch.Tensor) -> torch.Tensor:
     return offsets
 
 
-def chunk_gdn_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, fused=False):
-    """Forward of GDN chunked prefill on SM90. Inputs validated and contiguous by the caller.
+@dataclass
+class ChunkedCall:
+    """One forward call's kernel operands after `wy_inverse` (flat token layout, no host sync)."""
 
-    q, k [B, T, Hqk, 128]; v [B, T, Hv, 128]; g fp32 [B, T, Hv] (natural log); beta [B, T, Hv];
-    initial_state fp32 [N, Hv, 128, 128] or None; cu_seqlens [N + 1] (B == 1) or None.
-    Returns o [B, T, Hv, 128] in q's dtype and the fp32 final state [N, Hv, 128, 128] or None.
+    q: torch.Tensor  # [T, Hqk, 128]
+    k: torch.Tensor
+    w: torch.Tensor  # [T, Hv, 128]  W = diag(gamma) A diag(beta) K
+    u: torch.Tensor  # [T, Hv, 128]  U = (Gamma o A) diag(beta) V
+    Ab: torch.Tensor  # [T, Hv, 64]  A diag(beta) (the fused kernel's operand)
+    gcum: torch.Tensor  # [Hv, T] fp32 chunk-local cumulative gate (natural log)
+    cu: torch.Tensor  # int32 [N + 1]
+    offsets: torch.Tensor  # int32 [N + 1] first chunk slot of every sequence
+    chunk_slots: int  # upper bound on the number of chunks
+    dtype: str
 
-    Three launches: wy_inverse (W, U, gcum per chunk), chunk_states (the serial walk), chunk_output
-    (every chunk at once); `fused=True` runs the single-walk fused_fwd kernel instead.
-    """
+    @property
+    def num_seqs(self) -> int:
+        return self.cu.numel() - 1
+
+    @property
+    def num_v_heads(self) -> int:
+        return self.w.shape[1]
+
+
+def prepare(q, k, v, g, beta, cu_seqlens) -> ChunkedCall:
+    """wy_inverse over every chunk of q, k [B, T, Hqk, 128], v [B, T, Hv, 128], g, beta [B, T, Hv]."""
     B, T, Hqk, _ = q.shape
     Hv = v.shape[2]
     device = q.device
@@ -128,31 +145,85 @@ def chunk_gdn_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu
     offsets = chunk_offsets_of(cu)
     # every sequence adds at most one partial chunk: an upper bound on the chunk count without a sync
     chunk_slots = (B * T + CHUNK - 1) // CHUNK + N
-    search_steps = N.bit_length()
-
     q3, k3 = q.view(B * T, Hqk, HEAD_DIM), k.view(B * T, Hqk, HEAD_DIM)
-    v3 = v.view(B * T, Hv, HEAD_DIM)
-    g2 = g.view(B * T, Hv)
-    beta2 = beta.view(B * T, Hv).float()
-
     Ab = torch.empty(B * T, Hv, CHUNK, dtype=q.dtype, device=device)
     gcum = torch.empty(Hv, B * T, dtype=torch.float32, device=device)
     w = torch.empty(B * T, Hv, HEAD_DIM, dtype=q.dtype, device=device)
     u = torch.empty_like(w)
-    compiled_wy_inverse(dtype)(k3, beta2, g2, cu, offsets, v3, Ab, gcum, w, u, chunk_slots, search_steps)
+    compiled_wy_inverse(dtype)(k3, beta.view(B * T, Hv).float(), g.view(B * T, Hv), cu, offsets,
+                               v.view(B * T, Hv, HEAD_DIM), Ab, gcum, w, u, chunk_slots, N.bit_length())
+    return ChunkedCall(q3, k3, w, u, Ab, gcum, cu, offsets, chunk_slots, dtype)
 
-    o = torch.empty(B * T, Hv, HEAD_DIM, dtype=q.dtype, device=device)
+
+def _device_block_v(x: ChunkedCall) -> int:
+    device = x.q.device
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return block_v_for(x.num_seqs, x.num_v_heads, _sm_count(index))
+
+
+def walk(x: ChunkedCall, h0=None, *, store_chunks=True, store_final=True, use_u=True):
+    """chunk_states over every sequence of `x` from h0 (fp32 [N, Hv, 128, 128] or None = zeros).
+
+    Returns (h [chunk_slots, Hv, 128, 128] | None, V' [T, Hv, 128] | None, final fp32 [N, Hv, 128, 128] | None).
+    store_chunks=False is the state-only summary; use_u=False with h0 = I gives the transition products M.
+    """
+    N, Hv, device = x.num_seqs, x.num_v_heads, x.q.device
     placeholder = torch.empty(1, HEAD_DIM, HEAD_DIM, dtype=torch.float32, device=device)
-    h0 = placeholder if initial_state is None else initial_state.view(N * Hv, HEAD_DIM, HEAD_DIM)
-    ht = torch.empty(N, Hv, HEAD_DIM, HEAD_DIM, dtype=torch.float32, device=device) if output_final_state else None
-    ht_arg = placeholder if ht is None else ht.view(N * Hv, HEAD_DIM, HEAD_DIM)
-    block_v = block_v_for(N, Hv, _sm_count(device.index if device.index is not None else torch.cuda.current_device()))
-    flags = (int(initial_state is not None), int(ht is not None))
+    h0_arg = placeholder if h0 is None else h0.float().reshape(N * Hv, HEAD_DIM, HEAD_DIM).contiguous()
+    ht = torch.empty(N, Hv, HEAD_DIM, HEAD_DIM, dtype=torch.float32, device=device) if store_final else None
+    slots = x.chunk_slots if store_chunks else 1
+    h = torch.empty(slots, Hv, HEAD_DIM, HEAD_DIM, dtype=x.w.dtype, device=device)
+    vnew = torch.empty_like(x.w)  # allocator-cached; untouched when store_chunks is False
+    compiled_chunk_states(x.dtype, _device_block_v(x))(
+        x.k, x.w, x.u, x.gcum, x.cu, x.offsets, h0_arg, h, vnew,
+        placeholder if ht is None else ht.view(N * Hv, HEAD_DIM, HEAD_DIM),
+        int(h0 is not None), int(store_final), int(store_chunks), int(use_u))
+    return (h, vnew, ht) if store_chunks else (None, None, ht)
+
+
+def output(x: ChunkedCall, h, vnew, scale: float) -> torch.Tensor:
+    """chunk_output: O [T, Hv, 128] for every chunk at once."""
+    o = torch.empty_like(x.w)
+    compiled_chunk_output(x.dtype)(x.q, x.k, vnew, x.gcum, h, x.cu, x.offsets, o, float(scale),
+                                   x.num_seqs.bit_length())
+    return o
+
+
+# H200, bf16, 2026-11-30 (docs/benchmarks.md), split vs fused ms by sequences x v-heads: 1 x 8 (32K)
+# 1.95 vs 2.45; 1 x 16 2.70 vs 2.84 and 2.79 vs 2.88; 1 x 24 3.42 vs 3.30; 1 x 32 3.97 vs 3.40;
+# 8 x 8 (4K each) 0.96 vs 0.71; 4 x 64 (8K each) 6.71 vs 4.35. With few walks the split kernels win
+# (the serial chain is two GEMMs); once the walks fill the GPU the fused walk wins (no h round trip).
+FUSED_MIN_SEQ_HEADS = 24
+
+
+def use_fused(num_seqs: int, num_v_heads: int) -> bool:
+    return num_seqs * num_v_heads >= FUSED_MIN_SEQ_HEADS
+
+
+def chunk_gdn_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, fused=None):
+    """Forward of GDN chunked prefill on SM90. Inputs validated and contiguous by the caller.
+
+    q, k [B, T, Hqk, 128]; v [B, T, Hv, 128]; g fp32 [B, T, Hv] (natural log); beta [B, T, Hv];
+    initial_state fp32 [N, Hv, 128, 128] or None; cu_seqlens [N + 1] (B == 1) or None.
+    Returns o [B, T, Hv, 128] in q's dtype and the fp32 final state [N, Hv, 128, 128] or None.
+
+    Split: wy_inverse (W, U, gcum per chunk), chunk_states (the serial walk), chunk_output (every chunk at
+    once). Fused: wy_inverse, then fused_fwd (one walk computing the outputs too). fused=None picks by
+    sequences x v-heads (`use_fused`, the H200 measurements above).
+    """
+    x = prepare(q, k, v, g, beta, cu_seqlens)
+    if fused is None:
+        fused = use_fused(x.num_seqs, x.num_v_heads)
     if fused:
-        compiled_fused_fwd(dtype, block_v)(q3, k3, v3, Ab, gcum, cu, h0, o, ht_arg, float(scale), *flags)
-        return o.view(B, T, Hv, HEAD_DIM), ht
-    h = torch.empty(chunk_slots, Hv, HEAD_DIM, HEAD_DIM, dtype=q.dtype, device=device)
-    vnew = torch.empty_like(w)
-    compiled_chunk_states(dtype, block_v)(k3, w, u, gcum, cu, offsets, h0, h, vnew, ht_arg, *flags)
-    compiled_chunk_output(dtype)(q3, k3, vnew, gcum, h, cu, offsets, o, float(scale), search_steps)
-    return o.view(B, T, Hv, HEAD_DIM), ht
+        N, Hv, device = x.num_seqs, x.num_v_heads, q.device
+        placeholder = torch.empty(1, HEAD_DIM, HEAD_DIM, dtype=torch.float32, device=device)
+        h0 = placeholder if initial_state is None else initial_state.view(N * Hv, HEAD_DIM, HEAD_DIM)
+        ht = torch.empty(N, Hv, HEAD_DIM, HEAD_DIM, dtype=torch.float32, device=device) if output_final_state else None
+        o = torch.empty_like(x.w)
+        compiled_fused_fwd(x.dtype, _device_block_v(x))(
+            x.q, x.k, v.view(x.w.shape), x.Ab, x.gcum, x.cu, h0, o,
+            placeholder if ht is None else ht.view(N * Hv, HEAD_DIM, HEAD_DIM), float(scale),
+            int(initial_state is not None), int(ht is not None))
+        return o.view(v.shape), ht
+    h, vnew, ht = walk(x, initial_state, store_final=output_final_state)
+    return output(x, h, vnew, scale).view(v.shape), ht

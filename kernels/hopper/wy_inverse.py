@@ -2,13 +2,15 @@
 
 For every 64-token chunk of every packed sequence and every v-head h (reading k-head h // (Hv/Hqk)):
 
-    Ab   = (I + StrictLower(diag(beta) K K^T))^{-1} diag(beta)        [64 x 64], stored in the input dtype
+    Ab   = (I + StrictLower(diag(beta) K K^T))^{-1} diag(beta)        [64 x 64], the fused forward's operand
+    W    = diag(gamma) Ab K                                            [64 x 128]  (docs/algorithm.md W1)
+    U    = (Gamma o Ab) V                                              [64 x 128]  (W2)
     gcum = cumsum_{t <= r} g_t                                         [64], fp32, natural log,
                                                                        stored head-major [Hv, T]
 
-diag(beta) is folded into the columns of A here because the forward only ever uses A diag(beta), and
-the gate factor Gamma commutes with that column scaling (Gamma o (A diag(beta)) = (Gamma o A) diag(beta)).
-No exp is computed: g stays natural log here; the fused forward converts it to base 2.
+Ab, W and U are stored in the input dtype. diag(beta) is folded into the columns of A because the
+forward only ever uses A diag(beta), and the gate factor Gamma commutes with that column scaling.
+The inverse needs no exp; the gates enter only W and U (exp2 of base-2 differences, each <= 0).
 
 Chunks never straddle sequences. CTA c of the grid finds its sequence by binary search in
 `chunk_offsets` (exclusive prefix sum of chunks per sequence; `search_steps` = bit length of N); CTAs past the last chunk and rows past the
@@ -16,12 +18,13 @@ end of a sequence write nothing. Rows past the end are loaded as zero keys, so t
 that exist (A is lower triangular).
 
 Schedule (one warpgroup, 128 threads, per (chunk, v-head)):
-  1. load K rows (zero beyond the sequence end), beta, g; cumsum g in shared memory and store gcum;
+  1. load the K and V tiles (rows beyond the sequence end zeroed), beta, g; cumsum g, store gcum;
   2. K K^T on tensor cores (fp32 accumulate), L = StrictLower(diag(beta) K K^T) to fp32 shared memory;
   3. invert the four 16x16 diagonal blocks of I + L by fp32 forward substitution (CUDA cores);
   4. merge 16 -> 32: X21 = -D1^{-1} L21 D0^{-1} for both 32-blocks (CUDA cores, fp32);
   5. merge 32 -> 64: X21 = -P1^{-1} L21 P0^{-1} with two 32x32x32 tensor-core GEMMs (fp32 operands, TF32);
-  6. scale columns by beta, store the rows that exist.
+  6. scale columns by beta, store Ab; W = diag(gamma) (Ab K) and U = (Gamma o Ab) V on tensor cores;
+     store the rows that exist.
 """
 import tilelang
 import tilelang.language as T
@@ -94,8 +97,13 @@ def build_wy_inverse(dtype: str):
             last = T.max(n_rows - 1, 0)
 
             # --- loads -----------------------------------------------------------------------------
-            for r, d in T.Parallel(C, D):
-                K_sh[r, d] = T.if_then_else(r < n_rows, k[start + T.min(r, last), hk, d], T.cast(0, dtype))
+            T.copy(k[start:start + C, hk, 0:D], K_sh)
+            T.copy(v[start:start + C, h, 0:D], V_sh)
+            if n_rows < C:
+                for r, d in T.Parallel(C, D):
+                    if r >= n_rows:
+                        K_sh[r, d] = T.cast(0, dtype)
+                        V_sh[r, d] = T.cast(0, dtype)
             for r in T.Parallel(C):
                 beta_sh[r] = T.if_then_else(r < n_rows, beta[start + T.min(r, last), h], 0.0)
                 g_sh[r] = T.if_then_else(r < n_rows, g[start + T.min(r, last), h], 0.0)
@@ -153,8 +161,6 @@ def build_wy_inverse(dtype: str):
                     Ab[start + r, h, s] = T.cast(X_sh[r, s] * beta_sh[s], dtype)
 
             # --- W = diag(gamma) Ab K  (Gamma_rs gamma_s = gamma_r),  U = (Gamma o Ab) V -------------
-            for r, d in T.Parallel(C, D):
-                V_sh[r, d] = T.if_then_else(r < n_rows, v[start + T.min(r, last), h, d], T.cast(0, dtype))
             T.gemm(Ab_sh, K_sh, WU, clear_accum=True)
             for r, d in T.Parallel(C, D):
                 if r < n_rows:

@@ -70,12 +70,13 @@ def poisoned_outputs(monkeypatch):
     monkeypatch.setattr(torch, "empty", empty_nan)
 
 
-def run_kernels(call, scale=D ** -0.5):
+def run_kernels(call, scale=D ** -0.5, fused=None):
     from flashqla.kernels.hopper import chunk_gdn_fwd, unsupported_reason
 
     c = call
     assert unsupported_reason(c["q"], c["k"], c["v"], c["g"], c["beta"], c["initial_state"], c["cu_seqlens"]) is None
-    return chunk_gdn_fwd(c["q"], c["k"], c["v"], c["g"], c["beta"], scale, c["initial_state"], True, c["cu_seqlens"])
+    return chunk_gdn_fwd(c["q"], c["k"], c["v"], c["g"], c["beta"], scale, c["initial_state"], True, c["cu_seqlens"],
+                         fused=fused)
 
 
 def reference(call, scale=D ** -0.5):
@@ -98,8 +99,8 @@ def rel_err(x, ref):
     return err if err == err else float("inf")
 
 
-def assert_matches(call, scale=D ** -0.5):
-    o, ht = run_kernels(call, scale)
+def assert_matches(call, scale=D ** -0.5, fused=None):
+    o, ht = run_kernels(call, scale, fused)
     torch.cuda.synchronize()
     o_ref, ht_ref = reference(call, scale)
     assert o.dtype == call["q"].dtype and ht.dtype == torch.float32
@@ -113,8 +114,15 @@ def test_benchmark_head_configs_match_recurrence(Hqk, Hv, poisoned_outputs):
     assert_matches(make_call([700], Hqk, Hv, seed=Hv + Hqk))
 
 
-def test_varlen_pack_with_1_and_65_token_sequences_matches_recurrence(poisoned_outputs):
-    assert_matches(make_call([1, 65, 64, 130, 7, 300, 1, 129], 2, 6, seed=3))
+@pytest.mark.parametrize("fused", [False, True], ids=["split", "fused"])
+def test_varlen_pack_with_1_and_65_token_sequences_matches_recurrence(fused, poisoned_outputs):
+    assert_matches(make_call([1, 65, 64, 130, 7, 300, 1, 129], 2, 6, seed=3), fused=fused)
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["split", "fused"])
+@pytest.mark.parametrize("Hqk,Hv", [(2, 8), (16, 32)])
+def test_both_forward_paths_on_head_configs(Hqk, Hv, fused, poisoned_outputs):
+    assert_matches(make_call([700], Hqk, Hv, seed=Hv), fused=fused)
 
 
 def test_equal_length_batch_without_initial_state_matches_recurrence(poisoned_outputs):
