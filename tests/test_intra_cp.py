@@ -95,6 +95,21 @@ def test_auto_rule_stays_off_when_batch_fills_the_gpu():
     assert auto_segment_chunks((200,), 2, 132) == 0  # 4 chunks: not longer than the minimum segment
 
 
+@pytest.mark.parametrize("lengths,heads,expected", [
+    ((32768,), 8, 64), ((16384,), 8, 64), ((32768,), 16, 64),  # measured gains on the H200
+    ((32768,), 24, 0),  # measured loss
+    ((8192,), 8, 0),  # 128 chunks: not measured to gain
+    ((4096,) * 8, 8, 0), ((8192,) * 4, 64, 0),  # the batch fills the GPU
+    ((24576, 8192), 4, 64),  # effective batch 1.33 x 4 heads
+])
+def test_tilelang_auto_rule_follows_the_h200_calibration(lengths, heads, expected):
+    from flashqla.cp.plan import calibrated_segment_chunks, resolve_segment_chunks
+
+    assert calibrated_segment_chunks(lengths, heads) == expected
+    assert resolve_segment_chunks("auto", lengths, heads, torch.device("cpu"), "tilelang") == expected
+    assert resolve_segment_chunks("off", lengths, heads, torch.device("cpu"), "tilelang") == 0
+
+
 def test_auto_is_off_on_cpu():
     args = make_inputs(1, 64 * 40, 1, 1, 16, 16, requires_grad=False)
     o_auto, _ = flashqla.chunk_gated_delta_rule(**args)
@@ -116,12 +131,32 @@ def test_bad_cp_warmup(value, error):
         flashqla.chunk_gated_delta_rule(**args, cp_warmup=value)
 
 
-def whole_sequence_forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens):
-    """Stands in for the TileLang kernels: a forward that knows nothing about segments."""
-    from flashqla.ops import torch_backend
+class TorchKernels:
+    """Stands in for flashqla.kernels.hopper (prepare / walk / output) with the torch backend, so the
+    kernel-path CP composition runs on the CPU: a walk from h0 is a whole-sequence forward, U = 0 is V = 0
+    (U = (Gamma o A) diag(beta) V), and the "per-chunk states" it hands to `output` are just h0."""
 
-    plan = torch_backend.make_plan(q.shape[0], q.shape[1], cu_seqlens.tolist(), 0)
-    return torch_backend.forward(q, k, v, g, beta, scale, initial_state, output_final_state, plan)
+    @staticmethod
+    def _forward(x, v, scale, h0, output_final_state):
+        from flashqla.ops import torch_backend
+
+        plan = torch_backend.make_plan(1, x.q.shape[1], x.cu.tolist(), 0)
+        return torch_backend.forward(x.q, x.k, v, x.g, x.beta, scale, h0, output_final_state, plan)
+
+    @staticmethod
+    def prepare(q, k, v, g, beta, cu):
+        from types import SimpleNamespace
+
+        return SimpleNamespace(q=q, k=k, v=v, g=g, beta=beta, cu=cu)
+
+    def walk(self, x, h0=None, *, store_chunks=True, store_final=True, use_u=True):
+        # U = 0: a K x K "state" from h0 = I walks to M (the kernels have K = V)
+        v = x.v if use_u else x.v.new_zeros(x.v.shape[:-1] + (x.k.shape[-1],))
+        _, ht = self._forward(x, v, 1.0, h0, True)
+        return (h0, None, ht if store_final else None) if store_chunks else (None, None, ht)
+
+    def output(self, x, h, vnew, scale):
+        return self._forward(x, x.v, scale, h, False)[0]
 
 
 def composed(args, cu, segment_chunks, cp_warmup):
@@ -131,7 +166,7 @@ def composed(args, cu, segment_chunks, cp_warmup):
     q = args["q"]
     plan = torch_backend.make_plan(q.shape[0], q.shape[1], None if cu is None else cu.tolist(), segment_chunks)
     assert plan.is_segmented
-    return segmented_forward(whole_sequence_forward, args["q"], args["k"], args["v"], args["g"], args["beta"], 0.25,
+    return segmented_forward(TorchKernels(), args["q"], args["k"], args["v"], args["g"], args["beta"], 0.25,
                              args.get("initial_state"), True, plan, cp_warmup)
 
 

@@ -71,12 +71,38 @@ def auto_segment_chunks(lengths: tuple[int, ...], heads: int, sm_count: int) -> 
     return L if longest > L else 0
 
 
-def resolve_segment_chunks(intra_cp, lengths: tuple[int, ...], heads: int, device) -> int:
-    """intra_cp = "off" | "auto" | int (forced segment length in chunks) -> L (0 = not cut)."""
+# Our own H200 calibration of the TileLang path (docs/benchmarks.md, sweep of 2026-11-30, L in 16/32/64):
+# one sequence, Hv 8: 32K 1.95 -> 1.54 ms and 16K 0.97 -> 0.83 ms at L = 64 (L = 16 is slower than no CP);
+# Hv 16: 32K 2.70 -> 2.43 ms; Hv 24: 32K 3.42 -> 3.82 ms (CP loses). The summaries cost two extra walks
+# and a fold, so CP pays only when sequences x v-heads leave most SMs idle and the walk is long.
+TILELANG_SEGMENT_CHUNKS = 64
+TILELANG_MAX_LOAD = 16  # effective batch x v-heads
+TILELANG_MIN_CHUNKS = 256  # longest sequence (16K tokens); shorter ones were not measured to gain
+
+
+def calibrated_segment_chunks(lengths: tuple[int, ...], heads: int) -> int:
+    """"auto" on the TileLang kernels: L = 64 chunks when effective batch x heads <= 16 and the longest
+    sequence has >= 256 chunks, else 0 (off)."""
+    chunks = [math.ceil(n / CHUNK) for n in lengths if n > 0]
+    if not chunks:
+        return 0
+    total, longest = sum(chunks), max(chunks)
+    if total / longest * heads > TILELANG_MAX_LOAD or longest < TILELANG_MIN_CHUNKS:
+        return 0
+    return TILELANG_SEGMENT_CHUNKS
+
+
+def resolve_segment_chunks(intra_cp, lengths: tuple[int, ...], heads: int, device, backend: str = "torch") -> int:
+    """intra_cp = "off" | "auto" | int (forced segment length in chunks) -> L (0 = not cut).
+
+    "auto" follows our calibration on the TileLang path, the published rule for the torch backend on a
+    GPU, and stays off on the CPU (the reference gains nothing from more parallel rows)."""
     if intra_cp == "off":
         return 0
     if intra_cp == "auto":
-        if device.type != "cuda":  # the CPU reference gains nothing from more parallel rows
+        if backend == "tilelang":
+            return calibrated_segment_chunks(lengths, heads)
+        if device.type != "cuda":
             return 0
         import torch
 

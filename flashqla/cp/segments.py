@@ -1,14 +1,16 @@
-"""Intra-card CP for a whole-sequence forward kernel: segments run as packed sequences (design doc §3-4).
+"""Intra-card CP on the TileLang kernels: segments run as packed sequences (design doc §3-4).
 
-A segment is just a shorter sequence with its own initial state, so any forward that takes
-`cu_seqlens` and `initial_state` (the TileLang kernels) runs intra-card CP in three steps:
+A segment is a shorter sequence with its own initial state. After one `wy_inverse` over all chunks:
 
-1. every segment from the zero state: its final state is S*_j (one launch over the segment pack);
-2. the chain S_{j,0} = S*_{j-1} + [exact] M_{j-1} S_{j-1,0} in fp32, where a head takes the exact M
-   term only when the previous segment's summed log-decay stays above `cp_warmup` (a warmup over the
-   whole previous segment already brought the neglected term under e^cp_warmup). M is formed from the
-   chunk transitions T = gamma_last (I - K^T A diag(beta) K) in fp32 with torch;
-3. every segment from its S_{j,0} (one launch): the outputs.
+1. the state-only summary walk (chunk_states with store_chunks = 0), every segment from zero: S*_j;
+   the same walk with U = 0 from S0 = I: the transition product M_j (S_end = M_j S_0 + S*_j);
+2. the chain S_{j,0} = S*_{j-1} + [exact] M_{j-1} S_{j-1,0} in fp32 (intra.chain_segments), where a
+   head takes the M term only when the previous segment's summed log-decay stays above `cp_warmup`
+   (the neglected term is then below e^cp_warmup of the state it multiplies);
+3. the state walk from every S_{j,0}, storing the per-chunk states, then `chunk_output` for all chunks.
+
+Steps 1 and 3 run segments x heads x V tiles CTAs instead of sequences x heads x V tiles: that is the
+parallelism CP buys for few long sequences.
 
 No host synchronisation: the plan comes from host-side sequence lengths, the exact/warmup choice is a
 device mask.
@@ -20,8 +22,6 @@ from dataclasses import dataclass
 
 import torch
 
-from ..ops import reference
-from ..ops.layout import runs_from_lengths
 from .intra import chain_segments
 from .plan import SegmentPlan
 
@@ -38,53 +38,51 @@ class _PlanTensors:
     first: torch.Tensor
     last: torch.Tensor
     steps: tuple[torch.Tensor, ...]  # rows at position 1, 2, ... within their sequence
-    grid: object  # ChunkGrid of the segments, token index on the device
+    segment_of_token: torch.Tensor  # [num_tokens] row of every token (the rows cover the stream)
 
 
 @functools.lru_cache(maxsize=64)
 def _plan_tensors(plan: SegmentPlan, num_tokens: int, device: torch.device) -> _PlanTensors:
     as_tensor = lambda xs, dtype=torch.long: torch.tensor(xs, dtype=dtype, device=device)  # noqa: E731
     starts = as_tensor(plan.starts)
-    grid = runs_from_lengths(plan.starts, plan.lengths, num_tokens)
-    grid = type(grid)(grid.token_index.to(device), num_tokens)
     steps = tuple(as_tensor([r for r, p in enumerate(plan.position) if p == step])
                   for step in range(1, max(plan.position) + 1))
     return _PlanTensors(as_tensor(plan.starts + (plan.starts[-1] + plan.lengths[-1],), torch.int32), starts,
                         starts + as_tensor(plan.lengths), as_tensor(plan.position) > 0, as_tensor(plan.first_rows),
-                        as_tensor(plan.last_rows), steps, grid)
+                        as_tensor(plan.last_rows), steps,
+                        torch.repeat_interleave(torch.arange(len(plan.lengths), device=device), as_tensor(plan.lengths)))
 
 
 def _segment_log_decay(g: torch.Tensor, idx: _PlanTensors) -> torch.Tensor:
-    """Sum of g over every segment [rows, Hv] (fp32), from one cumulative sum over the stream."""
+    """Sum of g over every segment [rows, Hv] (fp32): one index_add over the stream (a prefix sum over
+    the token dim would be an outer-dim scan, 8 ms at 32K tokens on an H200, and lose fp32 digits)."""
     flat = g.reshape(-1, g.shape[-1]).float()
-    prefix = torch.cat([flat.new_zeros(1, flat.shape[1]), flat.cumsum(0)])
-    return prefix[idx.ends] - prefix[idx.starts]
+    return flat.new_zeros(idx.cu.numel() - 1, flat.shape[1]).index_add_(0, idx.segment_of_token, flat)
 
 
-def _transition_products(q, k, v, g, beta, idx: _PlanTensors) -> torch.Tensor:
-    """M of every segment [rows, Hv, K, K] in fp32."""
-    flat = [x.reshape((-1,) + x.shape[2:]) for x in (q, k, v, g, beta)]
-    return reference.transition_product(reference.to_chunk_inputs(idx.grid, *flat))
-
-
-def segmented_forward(forward, q, k, v, g, beta, scale, initial_state, output_final_state, plan: SegmentPlan,
+def segmented_forward(hopper, q, k, v, g, beta, scale, initial_state, output_final_state, plan: SegmentPlan,
                       cp_warmup):
-    """forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens) -> (o, final_state)
-    is a whole-sequence forward; returns what it would return on the unsegmented call."""
+    """Intra-card CP on the TileLang kernels (`hopper` = flashqla.kernels.hopper); returns what the
+    unsegmented forward would return, (o, final_state)."""
     B, T = q.shape[:2]
+    Hv = v.shape[2]
     idx = _plan_tensors(plan, B * T, q.device)
     packed = [x.reshape((1, B * T) + x.shape[2:]) for x in (q, k, v, g, beta)]
-    _, S_star = forward(*packed, scale, None, True, idx.cu)
+    # segments start on chunk boundaries of their sequence, so they chunk exactly like the sequences
+    x = hopper.prepare(*packed, idx.cu)
+    _, _, S_star = hopper.walk(x, None, store_chunks=False)
+    rows = idx.cu.numel() - 1
+    eye = torch.eye(k.shape[-1], dtype=torch.float32, device=q.device).expand(rows, Hv, -1, -1)
+    _, _, M = hopper.walk(x, eye, store_chunks=False, use_u=False)
 
-    exact = idx.has_prev[:, None].expand(-1, v.shape[2]).clone()
+    exact = idx.has_prev[:, None].expand(-1, Hv).clone()
     if cp_warmup is not None:
         exact[1:] &= _segment_log_decay(g, idx)[:-1] >= cp_warmup  # row j reads the decay of row j-1
-    M = _transition_products(q, k, v, g, beta, idx).to(S_star.dtype)  # fp32 (fp64 for fp64 inputs)
-
     S0 = torch.zeros_like(S_star)
     if initial_state is not None:
         S0[idx.first] = initial_state.to(S0.dtype)
     S0 = chain_segments(S0, S_star, M, exact, idx.steps)
-    o, S_final = forward(*packed, scale, S0, output_final_state, idx.cu)
+    h, vnew, S_final = hopper.walk(x, S0, store_final=output_final_state)
+    o = hopper.output(x, h, vnew, scale)
     final_state = S_final[idx.last] if output_final_state else None
-    return o.reshape(v.shape[:3] + (v.shape[3],)), final_state
+    return o.view(v.shape), final_state

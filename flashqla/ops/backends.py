@@ -80,7 +80,7 @@ def forward(name: str, call: Call, scale: float, output_final_state: bool, plan,
     if name == "tilelang":
         hopper, _ = _hopper_kernels()
         if plan.is_segmented:  # segments run as packed sequences (flashqla/cp/segments.py)
-            return segments.segmented_forward(hopper.chunk_gdn_fwd, c.q, c.k, c.v, c.g, c.beta, scale, c.initial_state,
+            return segments.segmented_forward(hopper, c.q, c.k, c.v, c.g, c.beta, scale, c.initial_state,
                                               output_final_state, plan, cp_warmup)
         return hopper.chunk_gdn_fwd(c.q, c.k, c.v, c.g, c.beta, scale, c.initial_state, output_final_state, c.cu_seqlens)
     return torch_backend.forward(c.q, c.k, c.v, c.g, c.beta, scale, c.initial_state, output_final_state, plan, cp_warmup)

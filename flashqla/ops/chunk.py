@@ -115,12 +115,7 @@ def _plan_and_backend(q, k, v, g, beta, initial_state, cu_seqlens, bounds, backe
     batch, seq_len = q.shape[:2]
     name = backends.choose(backend, backends.Call(q, k, v, g, beta, initial_state, cu_seqlens))
     plan = make_plan(batch, seq_len, bounds, 0)
-    if intra_cp == "auto" and name == "tilelang":
-        # Calibration on the H200 (docs/benchmarks.md): segments through the current whole-sequence
-        # kernel run 6-10x slower than no CP, so the planner keeps CP off there until a state-only
-        # summary kernel exists. A forced segment length still segments.
-        return plan, name
-    segment_chunks = resolve_segment_chunks(intra_cp, plan.lengths, v.shape[2], q.device)
+    segment_chunks = resolve_segment_chunks(intra_cp, plan.lengths, v.shape[2], q.device, name)
     if segment_chunks:
         plan = make_plan(batch, seq_len, bounds, segment_chunks)
     return plan, name
