@@ -105,13 +105,27 @@ def graph_median_ms(fn, reps):
     return statistics.median(times)
 
 
-def impl_flashqla():
+def impl_flashqla(fused=False):
     # the kernels' entry point: the public op validates cu_seqlens on the host (a sync that a CUDA graph
-    # capture rejects); FlashQLA is likewise timed through its internal forward
+    # capture rejects); FlashQLA is likewise timed through its internal forward. fused=False: the three
+    # split kernels; True: the single-walk fused_fwd (dispatch picks between them by sequences x heads)
     from flashqla.kernels.hopper import chunk_gdn_fwd
 
     def run(q, k, v, g, beta, cu):
-        return chunk_gdn_fwd(q, k, v, g, beta, D ** -0.5, None, False, cu)
+        return chunk_gdn_fwd(q, k, v, g, beta, D ** -0.5, None, False, cu, fused=fused)
+    return run
+
+
+def impl_flashqla_fused():
+    return impl_flashqla(fused=True)
+
+
+def impl_flashqla_segments(segment_chunks):
+    import flashqla
+
+    def run(q, k, v, g, beta, cu):
+        return flashqla.chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens=cu, backend="tilelang",
+                                               intra_cp=segment_chunks)
     return run
 
 
@@ -128,7 +142,7 @@ def impl_flashqla_autocp():
 def planned_segment_chunks(Hv, seqs):
     from flashqla.cp.plan import resolve_segment_chunks
 
-    return resolve_segment_chunks("auto", tuple(seqs), Hv, torch.device("cuda"))
+    return resolve_segment_chunks("auto", tuple(seqs), Hv, torch.device("cuda"), "tilelang")
 
 
 def impl_fla():
@@ -181,23 +195,37 @@ def write_report(path, rows, vers, notes):
         "bf16, K = V = 128, forward only, intra-card CP off for all three, CUDA graph replay, median of "
         "the replays (benchmarks/bench_gdn.py). Floors: inputs + output once at 4.3 TB/s; chunked-form "
         "tensor-core FLOPs at 790 TFLOP/s.", "",
-        "flashqla+CP: the public op with intra_cp='auto' (L = chunks per segment the planner chose, 0 = off).", "",
-        "| config | Hqk | Hv | seqlens | flashqla ms | flashqla+CP ms (L) | FLA ms | FlashQLA ms | best vs FLA | best vs FlashQLA | mem floor us | MMA floor us |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "flashqla = three kernels (wy_inverse, chunk_states, chunk_output); fused = the single-walk kernel; "
+        "+CP = the public op with intra_cp='auto' (L = chunks per segment the planner chose, 0 = off); "
+        "sweep = the fastest forced segment length (the AutoCP calibration); best = the fastest flashqla column.", "",
+        "| config | Hqk | Hv | seqlens | flashqla ms | fused ms | +CP ms (L) | sweep ms (L) | FLA ms | FlashQLA ms | best vs FLA | best vs FlashQLA | mem floor us | MMA floor us |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     fmt = lambda x: "n/a" if x is None else f"{x:.3f}"  # noqa: E731
     ratio = lambda a, b: "n/a" if a is None or b is None else f"{b / a:.2f}x"  # noqa: E731
     for r in rows:
-        r["best"] = min([t for t in (r["flashqla"], r["flashqla_cp"]) if t], default=None)
+        sweep = r.get("sweep") or {}
+        best_L = min(sweep, key=sweep.get) if sweep else None
+        r["sweep_best"] = sweep.get(best_L)
+        r["best"] = min([t for t in (r["flashqla"], r.get("flashqla_fused"), r["flashqla_cp"], r["sweep_best"]) if t],
+                        default=None)
         lines.append(f"| {r['name']} | {r['Hqk']} | {r['Hv']} | {r['seqs']} | {fmt(r['flashqla'])} | "
-                     f"{fmt(r['flashqla_cp'])} ({r['L']}) | {fmt(r['fla'])} | {fmt(r['flash_qla'])} | "
+                     f"{fmt(r.get('flashqla_fused'))} | {fmt(r['flashqla_cp'])} ({r['L']}) | "
+                     f"{fmt(r['sweep_best'])} ({best_L}) | {fmt(r['fla'])} | {fmt(r['flash_qla'])} | "
                      f"{ratio(r['best'], r['fla'])} | {ratio(r['best'], r['flash_qla'])} | "
                      f"{r['mem_us']:.0f} | {r['mma_us']:.0f} |")
+    if any(r.get("sweep") for r in rows):
+        lines += ["", "Segment-length sweep (ms, forced intra_cp=L):", ""]
+        for r in rows:
+            if r.get("sweep"):
+                lines.append(f"- {r['name']} {r['seqs']} (Hv {r['Hv']}): "
+                             + ", ".join(f"L={L}: {t:.3f}" for L, t in sorted(r["sweep"].items())))
     for key, label in (("fla", "FLA"), ("flash_qla", "FlashQLA")):
-        pairs = [(r["flashqla_cp"], r[key]) for r in rows if r["flashqla_cp"] and r[key]]
-        if pairs:
-            geo = math.exp(sum(math.log(b / a) for a, b in pairs) / len(pairs))
-            lines.append(f"\nGeomean speedup of flashqla (public op, AutoCP) over {label}: {geo:.2f}x over {len(pairs)} configs.")
+        for col, what in (("flashqla_cp", "the public op, AutoCP"), ("best", "the best flashqla column")):
+            pairs = [(r[col], r[key]) for r in rows if r[col] and r[key]]
+            if pairs:
+                geo = math.exp(sum(math.log(b / a) for a, b in pairs) / len(pairs))
+                lines.append(f"\nGeomean speedup of flashqla ({what}) over {label}: {geo:.2f}x over {len(pairs)} configs.")
     lines += ["", *notes, ""]
     with open(path, "w") as f:
         f.write("\n".join(lines))
@@ -213,7 +241,7 @@ def plot(path, rows):
     labels = [f"{r['name']}\n{r['seqs']}" for r in rows]
     fig, ax = plt.subplots(figsize=(max(8, 1.2 * len(rows)), 4.5))
     width = 0.2
-    for i, (key, label) in enumerate((("flashqla", "flashqla"), ("flashqla_cp", "flashqla AutoCP"),
+    for i, (key, label) in enumerate((("flashqla", "flashqla"), ("best", "flashqla best"),
                                       ("fla", "FLA 0.6 Triton"), ("flash_qla", "FlashQLA 0.1.3"))):
         xs = [j + (i - 1.5) * width for j in range(len(rows))]
         ax.bar(xs, [r[key] or 0 for r in rows], width, label=label)
@@ -232,12 +260,16 @@ def main():
     ap.add_argument("--configs", default="all", help="config indices to run ('all' or '0,3')")
     ap.add_argument("--out", default="docs/benchmarks.md")
     ap.add_argument("--png", default="docs/benchmarks_fwd.png")
+    ap.add_argument("--cp-sweep", default="", help="segment lengths in chunks to time on configs with <= 4 "
+                    "sequences, e.g. 8,16,32,64 (the AutoCP calibration sweep)")
     args = ap.parse_args()
     pick = lambda spec, n: set(range(n)) if spec == "all" else set() if spec == "none" else {int(x) for x in spec.split(",")}  # noqa: E731
     run_idx = pick(args.configs, len(CONFIGS))
     fq_idx = pick(args.flashqla_configs, len(CONFIGS))
 
-    impls = {"flashqla": impl_flashqla, "flashqla_cp": impl_flashqla_autocp, "fla": impl_fla, "flash_qla": impl_flash_qla}
+    impls = {"flashqla": impl_flashqla, "flashqla_fused": impl_flashqla_fused, "flashqla_cp": impl_flashqla_autocp,
+             "fla": impl_fla, "flash_qla": impl_flash_qla}
+    sweep = [int(x) for x in args.cp_sweep.split(",") if x]
     loaded, notes = {}, []
     for key, make in impls.items():
         try:
@@ -275,8 +307,15 @@ def main():
                     notes.append(f"- {key} first call on {name} {seq_label}: {first:.1f} s (JIT compile)")
             except Exception as exc:
                 notes.append(f"- {key} failed on {name} {seq_label}: {exc.__class__.__name__}: {str(exc)[:200]}")
+        row["sweep"] = {}
+        for L in sweep if len(seqs) <= 4 else ():
+            try:
+                row["sweep"][L] = graph_median_ms(lambda: impl_flashqla_segments(L)(*inputs), args.reps)
+            except Exception as exc:
+                notes.append(f"- segments L={L} failed on {name} {seq_label}: {exc.__class__.__name__}: {str(exc)[:160]}")
         rows.append(row)
-        print(f"{name:9s} ({Hqk:2d},{Hv:2d}) {seq_label:12s} flashqla {row['flashqla']} +CP(L={row['L']}) "
+        print(f"{name:9s} ({Hqk:2d},{Hv:2d}) {seq_label:12s} flashqla {row['flashqla']} fused {row['flashqla_fused']} "
+              f"sweep {row['sweep']} +CP(L={row['L']}) "
               f"{row['flashqla_cp']} FLA {row['fla']} "
               f"FlashQLA {row['flash_qla']}  floors mem {mem_us:.0f} us mma {mma_us:.0f} us", flush=True)
         del inputs

@@ -1,0 +1,153 @@
+"""Backward and forward+backward of GDN chunked prefill on one GPU: flashqla vs FLA (Triton) vs FlashQLA.
+
+FlashQLA's published backward matrix: (Hqk, Hv) in {(16,32), (8,16), (4,8), (2,4)} x {8K, 32K} total
+tokens x {1, 2, 4, 8} equal sequences, bf16, K = V = 128, model-like gates (bench_gdn.make_inputs).
+Each implementation runs through its autograd entry point; "bwd" is (fwd+bwd) - fwd, both medians of
+eager runs timed with CUDA events (flashqla's backward builds its chunk grid on the host, so it is not
+graph-captured; the peers are timed the same way for a like-for-like number). Also reported: the peak
+memory the backward adds on top of the forward's saved tensors.
+
+    python benchmarks/bench_bwd.py [--impls flashqla,fla,flash_qla] [--reps 10] [--out docs/benchmarks_bwd.md]
+
+FlashQLA 0.1.3 JIT-compiles its backward for minutes on first use per configuration; leave it out of
+--impls on a short device session.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import math
+import os
+import time
+
+os.environ.setdefault("FLA_FLASH_QLA", "0")
+# FLA's Triton chunk_bwd_dqkwg raises on Hopper with Triton 3.4-3.7 (fla#640) unless FLA's TileLang
+# backend takes it: keep FLA's backend dispatch on here (bench_gdn turns it off for the forward)
+os.environ.setdefault("FLA_DISABLE_BACKEND_DISPATCH", "0")
+
+import torch  # noqa: E402
+
+from bench_gdn import eager_median_ms, make_inputs, versions  # noqa: E402
+
+HEADS = [(16, 32), (8, 16), (4, 8), (2, 4)]
+TOKENS = [8192, 32768]
+SEQS = [1, 2, 4, 8]
+
+
+def forward_fn(impl):
+    """impl -> f(q, k, v, g, beta, cu) -> o, through the implementation's autograd entry point."""
+    if impl == "flashqla":
+        import flashqla
+
+        return lambda q, k, v, g, beta, cu: flashqla.chunk_gated_delta_rule(
+            q, k, v, g, beta, cu_seqlens=cu, backend="tilelang", intra_cp="off")[0]
+    if impl == "fla":
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+        return lambda q, k, v, g, beta, cu: chunk_gated_delta_rule(
+            q, k, v, g, beta, cu_seqlens=cu.long() if cu.numel() > 2 else None)[0]
+    if impl == "flash_qla":
+        import flash_qla
+
+        return lambda q, k, v, g, beta, cu: flash_qla.chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens=cu.long())[0]
+    raise ValueError(impl)
+
+
+def time_impl(fwd, inputs, do, reps):
+    q, k, v, g, beta, cu = inputs
+    leaves = [t.detach().requires_grad_(True) for t in (q, k, v, g, beta)]
+
+    def fwd_only():
+        with torch.no_grad():
+            fwd(*leaves, cu)
+
+    def fwd_bwd():
+        fwd(*leaves, cu).backward(do)
+
+    fwd_bwd()  # compile / warm up
+    torch.cuda.synchronize()
+    t_fwd = eager_median_ms(fwd_only, reps)
+    t_all = eager_median_ms(fwd_bwd, reps)
+    # peak memory of one fwd+bwd above what is allocated before it (inputs, leaves' grads)
+    for leaf in leaves:
+        leaf.grad = None
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fwd_bwd()
+    torch.cuda.synchronize()
+    return t_fwd, t_all, (torch.cuda.max_memory_allocated() - base) / 2**20
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--impls", default="flashqla,fla")
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--out", default="docs/benchmarks_bwd.md")
+    ap.add_argument("--quick", action="store_true", help="(16,32) and (2,4) at 8K and 32K, one sequence")
+    args = ap.parse_args()
+    impls = args.impls.split(",")
+    fns, notes = {}, []
+    for impl in impls:
+        try:
+            fns[impl] = forward_fn(impl)
+        except Exception as exc:
+            notes.append(f"- {impl} unavailable: {exc.__class__.__name__}: {exc}")
+    rows = []
+    heads, seqs = ([(16, 32), (2, 4)], [1]) if args.quick else (HEADS, SEQS)
+    for Hqk, Hv in heads:
+        for T in TOKENS:
+            for n in seqs:
+                inputs = make_inputs(Hqk, Hv, [T // n] * n)
+                do = torch.randn_like(inputs[2])
+                row = dict(Hqk=Hqk, Hv=Hv, T=T, n=n)
+                for impl, fn in fns.items():
+                    try:
+                        start = time.perf_counter()
+                        row[impl] = time_impl(fn, inputs, do, args.reps)
+                        if time.perf_counter() - start > 30:
+                            notes.append(f"- {impl} ({Hqk},{Hv}) {T}x{n}: {time.perf_counter() - start:.0f} s incl. JIT")
+                    except Exception as exc:
+                        row[impl] = None
+                        notes.append(f"- {impl} failed on ({Hqk},{Hv}) {T}/{n}: {exc.__class__.__name__}: {str(exc)[:160]}")
+                        print(notes[-1], flush=True)
+                rows.append(row)
+                fmt = {k: (None if v is None else tuple(round(x, 3) for x in v)) for k, v in row.items() if k in fns}
+                print(f"({Hqk:2d},{Hv:2d}) {T:6d} x{n}: (fwd ms, fwd+bwd ms, peak MiB) {fmt}", flush=True)
+                del inputs, do
+                torch.cuda.empty_cache()
+    report = write_report(args.out, rows, list(fns), versions(), notes)
+    print(report)
+
+
+def write_report(path, rows, impls, vers, notes):
+    lines = ["# Backward benchmark (H200)", "",
+             f"Date: {datetime.date.today()}; {', '.join(f'{k} {v}' for k, v in vers.items())}.", "",
+             "bf16, K = V = 128, model-like gates; eager medians (benchmarks/bench_bwd.py). bwd = (fwd+bwd) - fwd. "
+             "peak = memory one fwd+bwd allocates above the inputs.", "",
+             "| Hqk | Hv | tokens | seqs | " + " | ".join(f"{i} bwd ms | {i} fwd+bwd ms | {i} peak MiB" for i in impls)
+             + " | bwd flashqla vs FLA |",
+             "|" + "---|" * (5 + 3 * len(impls))]
+    ratios = []
+    for r in rows:
+        cells = []
+        for i in impls:
+            t = r.get(i)
+            cells += ["n/a"] * 3 if t is None else [f"{t[1] - t[0]:.3f}", f"{t[1]:.3f}", f"{t[2]:.0f}"]
+        ratio = "n/a"
+        if r.get("flashqla") and r.get("fla"):
+            x = (r["fla"][1] - r["fla"][0]) / (r["flashqla"][1] - r["flashqla"][0])
+            ratios.append(x)
+            ratio = f"{x:.2f}x"
+        lines.append(f"| {r['Hqk']} | {r['Hv']} | {r['T']} | {r['n']} | " + " | ".join(cells) + f" | {ratio} |")
+    if ratios:
+        geo = math.exp(sum(math.log(x) for x in ratios) / len(ratios))
+        lines.append(f"\nGeomean backward speedup of flashqla over FLA: {geo:.2f}x over {len(ratios)} configs.")
+    lines += ["", *notes, ""]
+    with open(path, "w") as f:
+        f.write("\n".join(lines))
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
