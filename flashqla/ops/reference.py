@@ -16,6 +16,7 @@ chunk is computed for all chunks at once.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -49,6 +50,14 @@ class DecayFactors:
     gamma_last: torch.Tensor  # [..., 1]       exp(gc[C-1])
     to_end: torch.Tensor  # [..., C]       gamma_last / gamma
     Gamma: torch.Tensor  # [..., C, C]    gamma_r / gamma_s on r >= s, else 0
+
+
+def chunk_range(terms, start: int, stop: int):
+    """The same dataclass (DecayFactors, ChunkInputs, BackwardTerms) restricted to chunks [start, stop)
+    of every [rows, chunks, ...] field."""
+    def cut(value):
+        return chunk_range(value, start, stop) if dataclasses.is_dataclass(value) else value[:, start:stop]
+    return dataclasses.replace(terms, **{f.name: cut(getattr(terms, f.name)) for f in dataclasses.fields(terms)})
 
 
 def decay_factors(gc: torch.Tensor) -> DecayFactors:
@@ -193,14 +202,27 @@ class ReferenceWalks:
         return reverse_walk(x, b, dS_final)
 
 
+def chunk_backward_in_blocks(x: ChunkInputs, b: BackwardTerms, S_in: torch.Tensor, dS_out: torch.Tensor,
+                             block_chunks: int):
+    """chunk_backward over blocks of `block_chunks` chunks: the same gradients, with the temporaries of
+    one block alive at a time (a [rows, chunks, Hv, K, V] product is 1 GiB at 32K tokens and Hv 32)."""
+    chunks = x.q.shape[1]
+    parts = [chunk_backward(chunk_range(x, c0, c0 + block_chunks), chunk_range(b, c0, c0 + block_chunks),
+                            S_in[:, c0:c0 + block_chunks], dS_out[:, c0:c0 + block_chunks])
+             for c0 in range(0, chunks, block_chunks)]
+    return tuple(torch.cat(grads, 1) if len(parts) > 1 else grads[0] for grads in zip(*parts))
+
+
 def chunk_backward(x: ChunkInputs, b: BackwardTerms, S_in: torch.Tensor, dS_out: torch.Tensor):
     """Gradients of the chunked forward (docs/algorithm.md, "Chunked backward"), local to every chunk.
 
     S_in / dS_out: the state entering / the gradient of the state leaving every chunk, from the two
-    serial walks. Everything here is computed for all chunks at once. Returns dq, dk, dv, dgc, dbeta on
-    the grid (v-head layout).
+    serial walks (the kernels' walks hand them over in the input dtype; they are widened here).
+    Everything here is computed for all chunks at once. Returns dq, dk, dv, dgc, dbeta on the grid
+    (v-head layout).
     """
     d = x.decay
+    S_in, dS_out = S_in.to(x.q.dtype), dS_out.to(x.q.dtype)
     betau = x.beta.unsqueeze(-1)
     dOs, P, Gamma_A = b.dOs, b.P, b.Gamma_A
     # B1, B2 for every chunk at once from dS_out

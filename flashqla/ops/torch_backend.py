@@ -62,12 +62,18 @@ def forward(q, k, v, g, beta, scale, initial_state, output_final_state, plan: Se
     return o, final_state
 
 
+# chunk-local gradient math in blocks of this many chunks: bounds its temporaries (~20 [.., C, D]-sized
+# fp32 tensors and a few [.., K, V]-sized ones per block) independently of the sequence length
+BACKWARD_BLOCK_CHUNKS = 64
+
+
 def backward(q, k, v, g, beta, scale, initial_state, plan: SegmentPlan, do, dht, cp_warmup=-10.0,
-             walks=reference.ReferenceWalks):
+             walks=reference.ReferenceWalks, block_chunks: int = BACKWARD_BLOCK_CHUNKS):
     """Gradients (dq, dk, dv, dg, dbeta, dh0) in the dtypes of (q, k, v, g, beta, initial_state).
 
     `walks` runs the two serial walks (states forward, state gradients in reverse); the TileLang
-    backend passes its kernels (flashqla/kernels/hopper/grid_walks.py), the rest stays on this grid.
+    backend passes its kernels (flashqla/kernels/hopper/grid_walks.py), the rest stays on this grid,
+    computed `block_chunks` chunks at a time.
     """
     p = _Prepared(q, k, v, g, beta, initial_state, plan)
     x = p.x
@@ -81,7 +87,7 @@ def backward(q, k, v, g, beta, scale, initial_state, plan: SegmentPlan, do, dht,
     else:
         dS_final = dS_sequences
     dS_out, dS0 = walks.state_gradients(x, b, dS_final)
-    dq, dk, dv, dgc, dbeta = reference.chunk_backward(x, b, S_in, dS_out)
+    dq, dk, dv, dgc, dbeta = reference.chunk_backward_in_blocks(x, b, S_in, dS_out, block_chunks)
     # gc = cumsum(g) inside each chunk, so dg is the reverse cumsum of dgc
     dg = dgc.flip(-1).cumsum(-1).flip(-1)
 

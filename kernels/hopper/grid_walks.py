@@ -6,7 +6,8 @@ and `chunk_dstates` (kernels/hopper/chunk_states.py, chunk_dstates.py). The grid
 is laid out as a token stream in which every row is a sequence of chunks * C tokens: padding slots are
 zeros (identity steps), so every sequence is a whole number of chunks, as chunk_dstates requires.
 q and k are already expanded to the v-heads on the grid. Operands go to the kernels in the input dtype
-(bf16/fp16); states and state gradients come back in that dtype and are widened for the local math.
+(bf16/fp16); per-chunk states and state gradients stay in that dtype (half the memory of fp32) and are
+widened block by block by the local math.
 """
 from __future__ import annotations
 
@@ -56,7 +57,7 @@ class KernelWalks:
         unused_ht = torch.empty(1, HEAD_DIM, HEAD_DIM, dtype=torch.float32, device=k.device)
         compiled_chunk_states(self.tl_dtype, block_v)(k, w, u, _gate_stream(x.gc), cu, offsets, h0, h, vnew,
                                                       unused_ht, 1, 0, 1, 1)
-        return h.view(rows, chunks, Hv, HEAD_DIM, HEAD_DIM).to(x.q.dtype)
+        return h.view(rows, chunks, Hv, HEAD_DIM, HEAD_DIM)  # input dtype; widened block by block
 
     def state_gradients(self, x, b, dS_final: torch.Tensor):
         rows, chunks, Hv, cu, offsets, block_v = self._layout(x)
@@ -67,5 +68,4 @@ class KernelWalks:
         dh0 = torch.empty_like(dht)
         compiled_chunk_dstates(self.tl_dtype, block_v)(q, k, w, dOs, dVl, _gate_stream(x.gc), cu, offsets, dht, dh,
                                                        dh0, 1, 1)
-        work = x.q.dtype
-        return dh.view(rows, chunks, Hv, HEAD_DIM, HEAD_DIM).to(work), dh0.view(rows, Hv, HEAD_DIM, HEAD_DIM).to(work)
+        return dh.view(rows, chunks, Hv, HEAD_DIM, HEAD_DIM), dh0.view(rows, Hv, HEAD_DIM, HEAD_DIM).to(x.q.dtype)
