@@ -61,5 +61,34 @@ def hf_config(name: str, vocab_size: int, attn_implementation: str = "sdpa"):
     )
 
 
+CHUNK = 64  # the chunk length of the GDN kernels
+
+
+def train_flops_per_token(size: ModelSize, vocab_size: int, seq_len: int) -> float:
+    """Model FLOPs of one training token (forward + backward = 3 x forward), the MFU numerator.
+
+    Matmuls count 2 FLOPs per active weight; MoE layers (every other layer when num_experts > 0) count the
+    top-2 routed experts, the shared expert, the router and the shared expert's gate; causal softmax attention adds 2 * heads * head_dim * seq_len
+    (half of QK^T and PV); a GDN layer adds its chunked-form products per token and v-head,
+    2 (2 C dk + 3 dk dv + 2 C dv) (QK^T, KK^T, KS, QS, K^T V', W Vd, P V'; design doc §6).
+    """
+    s = size
+    d, dk = s.hidden_size, s.gdn_head_dim
+    attn_layers = s.num_layers // 4
+    gdn_layers = s.num_layers - attn_layers
+    gdn_proj = d * (2 * s.gdn_key_heads * dk + 2 * s.gdn_value_heads * dk + 2 * s.gdn_value_heads) \
+        + s.gdn_value_heads * dk * d
+    gdn_chunk = s.gdn_value_heads * (2 * CHUNK * dk + 3 * dk * dk + 2 * CHUNK * dk)
+    hd = s.attention_head_dim
+    attn_proj = d * (2 * s.attention_heads * hd + 2 * s.kv_heads * hd) + s.attention_heads * hd * d
+    attn_scores = s.attention_heads * hd * seq_len  # causal: half of the 2 x (QK^T + PV) terms, in MACs
+    moe_layers = s.num_layers // 2 if s.num_experts else 0
+    mlp_macs = (s.num_layers - moe_layers) * 3 * d * s.ffn_size \
+        + moe_layers * (3 * 3 * d * s.expert_ffn_size + d * s.num_experts + d)  # experts, router, shared gate
+    forward_macs = gdn_layers * (gdn_proj + gdn_chunk) + attn_layers * (attn_proj + attn_scores) + mlp_macs \
+        + d * vocab_size
+    return 3 * 2 * forward_macs
+
+
 def describe(name: str) -> dict:
     return {"size": name, **asdict(SIZES[name])}

@@ -15,6 +15,7 @@ launcher the script initialises a one-process group itself. Checkpoints go to --
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import socket
 import sys
@@ -25,8 +26,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from data import VOCAB_SIZE, load_rows  # noqa: E402
-from reporting import memory_now, plot_losses  # noqa: E402
-from model_config import SIZES, hf_config  # noqa: E402
+from reporting import Throughput, memory_now, plot_losses, write_summary  # noqa: E402
+from model_config import SIZES, hf_config, train_flops_per_token  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 
@@ -40,6 +41,9 @@ def parse_args():
     p.add_argument("--sp", type=int, help="sequence-parallel size (default: the size's)")
     p.add_argument("--data", help="your own .jsonl / .txt file or folder (default: the stdlib corpus)")
     p.add_argument("--attn", default="varlen_sdpa", help="HF attn_implementation (flash_attention_2 on GPUs)")
+    p.add_argument("--impl", choices=("flashqla", "fla"), default="flashqla",
+                   help="GDN layers: flashqla's, or transformers' own Qwen3NextGatedDeltaNet (FLA's kernels when "
+                        "flash-linear-attention is installed, else its torch loop; SP 1 only)")
     p.add_argument("--checkpoint-activations", action="store_true")
     p.add_argument("--save-dir", default="runs/pretrain_qwen_next")
     p.add_argument("--save-every", type=int, default=100)
@@ -128,10 +132,16 @@ def main():
         from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
 
         mpu = UlyssesSPAttentionHF.register_with_transformers(model, attn, sp, micro_batch_size=1)
-    fds.enable_gdn_sequence_parallel(model, mpu)  # flashqla's GDN layers in, before the optimizer sees parameters
+    if args.impl == "flashqla":
+        fds.enable_gdn_sequence_parallel(model, mpu)  # flashqla's GDN layers in, before the optimizer sees parameters
+    elif sp > 1:
+        raise SystemExit("--impl fla runs transformers' own GDN layers, which are not sequence parallel: use --sp 1")
     num_params = check_fits(model, seq_len, sp, config, args.checkpoint_activations)
-    engine, *_ = fds.initialize(model=model, config=config, mpu=mpu,
-                                model_parameters=[p for p in model.parameters() if p.requires_grad])
+    parameters = [p for p in model.parameters() if p.requires_grad]
+    if args.impl == "flashqla":
+        engine, *_ = fds.initialize(model=model, config=config, mpu=mpu, model_parameters=parameters)
+    else:  # the baseline: plain DeepSpeed around transformers' own GDN layers (flashqla's initialize swaps them)
+        engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=parameters)
     group = None if mpu is None else mpu.get_sequence_parallel_group()
     sp_rank, dp_rank, dp_size = rank % sp, rank // sp, world // sp
     accumulation = engine.gradient_accumulation_steps()
@@ -153,6 +163,7 @@ def main():
     shard = slice(sp_rank * seq_len // sp, (sp_rank + 1) * seq_len // sp)
     bar = tqdm(total=args.steps, initial=step, disable=rank != 0, dynamic_ncols=True)
     tokens_per_step = seq_len * dp_size * accumulation
+    throughput = Throughput()
     while step < args.steps:
         start, step_loss = time.perf_counter(), 0.0
         for micro in range(accumulation):
@@ -168,15 +179,20 @@ def main():
         dist.all_reduce(mean_loss)
         losses.append(mean_loss.item() / world)
         bar.update(1)
-        bar.set_postfix(loss=f"{losses[-1]:.3f}", tok_s=f"{tokens_per_step / (time.perf_counter() - start):,.0f}",
-                        mem=memory_now())
+        rate = throughput.add(tokens_per_step, time.perf_counter() - start)
+        bar.set_postfix(loss=f"{losses[-1]:.3f}", tok_s=f"{rate:,.0f}", mem=memory_now())
         if step % args.save_every == 0 or step == args.steps:
             engine.save_checkpoint(str(save_dir), tag=f"step{step}", client_state={"step": step, "losses": losses})
     bar.close()
     if rank == 0 and losses:
         first, last = sum(losses[:10]) / len(losses[:10]), sum(losses[-10:]) / len(losses[-10:])
         print(f"loss: first 10 steps {first:.3f} -> last 10 steps {last:.3f}")
-        plot_losses(losses, save_dir / "loss_curve.png", f"pretrain_qwen_next {args.size} (DeepSpeed + flashqla)")
+        (save_dir / "losses.json").write_text(json.dumps(losses))
+        plot_losses(losses, save_dir / "loss_curve.png", f"pretrain_qwen_next {args.size} (DeepSpeed + {args.impl})")
+        write_summary(save_dir / "summary.json", losses=losses, throughput=throughput,
+                      flops_per_token=train_flops_per_token(size, VOCAB_SIZE, seq_len), world_size=world,
+                      framework="deepspeed", size=args.size, impl=args.impl, seq_len=seq_len, sp=sp, dp=dp_size,
+                      zero_stage=config.get("zero_optimization", {}).get("stage", 0))
 
 
 if __name__ == "__main__":

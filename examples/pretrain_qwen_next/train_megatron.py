@@ -40,8 +40,8 @@ import torch.distributed as dist
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from data import IGNORE_INDEX, VOCAB_SIZE, load_rows  # noqa: E402
-from reporting import memory_now, plot_losses  # noqa: E402
-from model_config import SIZES  # noqa: E402
+from reporting import Throughput, memory_now, plot_losses, write_summary  # noqa: E402
+from model_config import SIZES, train_flops_per_token  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -236,6 +236,7 @@ def main(argv=None):
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=torch.cuda.is_available())
     causal_mask = margs.transformer_impl == "local"
     tokens_per_step = seq_len * args.micro_batch * dp_size
+    throughput = Throughput()
     bar = tqdm(total=args.steps, initial=step, disable=rank != 0, dynamic_ncols=True)
     last_step = args.steps if args.exit_after is None else min(args.steps, step + args.exit_after)
     model.train()
@@ -256,8 +257,8 @@ def main(argv=None):
         step += 1
         losses.append((totals[0] / totals[1]).item())
         bar.update(1)
-        bar.set_postfix(loss=f"{losses[-1]:.3f}", tok_s=f"{tokens_per_step / (time.perf_counter() - start):,.0f}",
-                        mem=memory_now(), gnorm=f"{grad_norm:.2f}")
+        rate = throughput.add(tokens_per_step, time.perf_counter() - start)
+        bar.set_postfix(loss=f"{losses[-1]:.3f}", tok_s=f"{rate:,.0f}", mem=memory_now(), gnorm=f"{grad_norm:.2f}")
         if step % args.save_every == 0 or step == last_step:
             megatron_checkpoint.save(save_dir, model, optimizer, {"step": step, "losses": losses})
     bar.close()
@@ -266,6 +267,10 @@ def main(argv=None):
         first, last = sum(losses[:10]) / len(losses[:10]), sum(losses[-10:]) / len(losses[-10:])
         print(f"loss: first 10 steps {first:.3f} -> last 10 steps {last:.3f}")
         plot_losses(losses, save_dir / "loss_curve.png", f"pretrain_qwen_next {args.size} (Megatron + {args.impl})")
+        write_summary(save_dir / "summary.json", losses=losses, throughput=throughput,
+                      flops_per_token=train_flops_per_token(size, VOCAB_SIZE, seq_len), world_size=world,
+                      framework="megatron", size=args.size, impl=args.impl, seq_len=seq_len, tp=args.tp, cp=cp,
+                      cp_mode=args.cp_mode, dp=dp_size, kernel_backend=args.kernel_backend)
     dist.destroy_process_group()
 
 

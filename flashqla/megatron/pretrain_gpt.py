@@ -21,7 +21,11 @@ from megatron.core.utils import get_batch_on_this_cp_rank
 
 from flashqla.megatron.config import StatePassingTransformerConfig
 from flashqla.megatron.gdn import CP_MODES
-from flashqla.megatron.specs import get_flashqla_gpt_block_spec, get_flashqla_hybrid_stack_spec
+from flashqla.megatron.specs import (
+    get_flashqla_gpt_block_spec,
+    get_flashqla_hybrid_stack_spec,
+    get_megatron_gdn_local_block_spec,
+)
 
 LINEAR_ATTENTION_IMPLS = ("fla", "flashqla")
 
@@ -64,6 +68,11 @@ def model_config_from_args(args):
         transformer = core_transformer_config_from_args(args, config_class=StatePassingTransformerConfig)
     model_config = (hybrid_config_from_args if hybrid else gpt_config_from_args)(args, config=transformer)
     if not flashqla_impl:
+        if not hybrid and args.spec is None and args.transformer_impl == "local" \
+                and args.experimental_attention_variant == "gated_delta_net":
+            # Megatron's stock GDN block spec needs Transformer Engine; without it, the same local
+            # block as flashqla's with Megatron's own GDN module
+            model_config.transformer_layer_spec = megatron_gdn_local_layer_spec
         return model_config
     gdn_params = {"kernel_backend": args.flashqla_kernel_backend, "cp_mode": args.flashqla_cp_mode}
     if hybrid:
@@ -71,6 +80,10 @@ def model_config_from_args(args):
     else:
         model_config.transformer_layer_spec = flashqla_gpt_layer_spec(gdn_params)
     return model_config
+
+
+def megatron_gdn_local_layer_spec(model_config, vp_stage=None):
+    return get_megatron_gdn_local_block_spec(model_config.transformer, vp_stage=vp_stage)
 
 
 def flashqla_gpt_layer_spec(gdn_params):

@@ -90,7 +90,21 @@ def get_flashqla_gpt_block_spec(
         raise ValueError(
             f"config.transformer_impl must be 'transformer_engine' or 'local', got {config.transformer_impl!r}"
         )
-    layer_specs = _local_layer_specs(config, gdn_params)
+    return _local_block_spec(config, vp_stage, pp_rank, get_local_gdn_module_spec(config, **gdn_params))
+
+
+def get_megatron_gdn_local_block_spec(
+    config, vp_stage: Optional[int] = None, pp_rank: Optional[int] = None
+) -> TransformerBlockSubmodules:
+    """The same local (non-TE) GPT block with Megatron's own GatedDeltaNet (its FLA kernels) in the GDN
+    layers: the `--linear-attention-impl fla` baseline where Transformer Engine is not installed (Megatron's
+    stock GDN block spec asserts TE). Same parameters and checkpoint keys as the flashqla block."""
+    gdn = dataclasses.replace(get_local_gdn_module_spec(config), module=MegatronGatedDeltaNet, params={})
+    return _local_block_spec(config, vp_stage, pp_rank, gdn)
+
+
+def _local_block_spec(config, vp_stage, pp_rank, gdn: ModuleSpec) -> TransformerBlockSubmodules:
+    layer_specs = _local_layer_specs(config, gdn)
     backend = LocalSpecProvider()
     return TransformerBlockSubmodules(
         layer_specs=[layer_specs[i] for i in _layers_of_this_stage(config, vp_stage, pp_rank)],
@@ -117,12 +131,11 @@ def _require_transformer_engine(what: str) -> None:
         )
 
 
-def _local_layer_specs(config, gdn_params) -> list:
-    """One local TransformerLayer spec per layer: GDN or softmax attention per the linear-attention
+def _local_layer_specs(config, gdn: ModuleSpec) -> list:
+    """One local TransformerLayer spec per layer: `gdn` or softmax attention per the linear-attention
     pattern, dense or MoE MLP per the MoE pattern."""
     attention_pattern = get_linear_attention_pattern(config)
     moe_pattern = get_moe_layer_pattern(config) if config.num_moe_experts else [0] * config.num_layers
-    gdn = get_local_gdn_module_spec(config, **gdn_params)
     specs = []
     for is_gdn, is_moe in zip(attention_pattern, moe_pattern):
         layer = get_gpt_layer_local_spec(

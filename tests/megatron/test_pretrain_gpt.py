@@ -47,6 +47,24 @@ def test_state_passing_flag_reaches_every_gdn_layer_and_relaxes_the_head_check(l
     assert [m.cp_mode for m in gdn_modules(model)] == ["state_passing"] * 3
 
 
+def test_fla_impl_without_transformer_engine_gets_megatrons_gdn_in_the_same_local_block(launcher_args, monkeypatch):
+    """`--linear-attention-impl fla` with the local spec (no TE on these machines, nor on the H200 image):
+    Megatron's own GDN in every GDN layer, and the parameters and checkpoint keys of the flashqla model."""
+    from megatron.core.ssm.gated_delta_net import common as mcore_gdn_common
+    from megatron.core.ssm.gated_delta_net import gdn as mcore_gdn
+
+    # FLA is not installed in this venv: stand in Megatron's torch kernel for FLA's
+    monkeypatch.setattr(mcore_gdn_common, "HAVE_FLA", True)
+    monkeypatch.setattr(mcore_gdn, "chunk_gated_delta_rule", mcore_gdn_common.torch_chunk_gated_delta_rule)
+    fla_model = gpt_harness.build_model(launcher_args())
+    gdns = gdn_modules(fla_model)
+    assert len(gdns) == 3 and all(type(m) is MegatronGatedDeltaNet for m in gdns)
+    flashqla_model = gpt_harness.build_model(launcher_args(*gpt_harness.FLASHQLA))
+    shapes = lambda model: {n: p.shape for n, p in model.named_parameters()}  # noqa: E731
+    assert shapes(fla_model) == shapes(flashqla_model)
+    assert set(fla_model.sharded_state_dict()) == set(flashqla_model.sharded_state_dict())
+
+
 def test_spec_and_flashqla_impl_together_are_rejected(launcher_args):
     args = launcher_args("--linear-attention-impl", "flashqla", "--spec", "some.module", "spec_fn")
     with pytest.raises(ValueError, match="--spec"):

@@ -44,6 +44,9 @@ def test_tiny_run_writes_checkpoints_and_loss_curve_and_its_loss_falls(uninterru
     assert (save_dir / "latest").read_text() == "step8"
     assert (save_dir / "loss_curve.png").stat().st_size > 0
     assert sum(losses[-2:]) < sum(losses[:2]) - 0.5, losses
+    summary = json.loads((save_dir / "summary.json").read_text())
+    assert summary["framework"] == "megatron" and summary["impl"] == "flashqla" and summary["steps"] == 8
+    assert summary["tokens_per_s"] > 0 and summary["steps_measured"] == 3 and summary["mfu"] is None
 
 
 def test_stopped_and_resumed_run_gives_the_uninterrupted_losses(uninterrupted, corpus, tmp_path):
