@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
-# One H200 session for the TileLang forward kernels: GPU tests, cold-compile time, forward benchmark.
+# One H200 session for the TileLang kernels: GPU tests, cold-compile time, forward and backward benchmarks.
 # Run from the repo root on the device machine with `.devsite` and `.tilelang_cache` carried; logs go to
-# $OUT. Usage: scripts/device_kernels.sh [tests|cold|bench|all] [extra bench_gdn.py arguments...]
+# $OUT. Usage: scripts/device_kernels.sh [tests|cold|bench|bwd|all] [extra bench_gdn.py arguments...]
+#   tests: tests/gpu (first-call latency included: it starts fresh processes with empty JIT caches)
+#   bench: bench_gdn.py (pass e.g. --cp-sweep 32,64,128,256 --flashqla-configs none)
+#   bwd:   bench_bwd.py, flashqla vs FLA (FlashQLA's backward JIT-compiles for minutes: left out)
 set -uo pipefail
 what=${1:-all}
 shift || true
@@ -14,7 +17,7 @@ python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >"$OUT/
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv | tee "$OUT/gpu.txt"
 
 if [[ $what == tests || $what == all ]]; then
-  timeout 420 python3 -m pytest -q -s -rA tests/gpu 2>&1 | tee "$OUT/tests.log" | tail -30
+  timeout "${TESTS_TIMEOUT:-420}" python3 -m pytest -q -s -rA tests/gpu 2>&1 | tee "$OUT/tests.log" | tail -30
 fi
 
 if [[ $what == cold || $what == all ]]; then
@@ -37,4 +40,9 @@ if [[ $what == bench || $what == all ]]; then
   tag=${BENCH_TAG:-}
   timeout "${BENCH_TIMEOUT:-540}" python3 benchmarks/bench_gdn.py --out "$OUT/benchmarks$tag.md" \
     --png "$OUT/benchmarks_fwd$tag.png" "$@" 2>&1 | tee "$OUT/bench$tag.log" | grep -v "^\s*$" | tail -40
+fi
+
+if [[ $what == bwd || $what == all ]]; then
+  timeout "${BWD_TIMEOUT:-300}" python3 benchmarks/bench_bwd.py --impls flashqla,fla --out "$OUT/benchmarks_bwd.md" 2>&1 \
+    | tee "$OUT/bench_bwd.log" | grep -v "^\s*$" | tail -40
 fi

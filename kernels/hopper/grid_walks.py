@@ -30,9 +30,12 @@ def _gate_stream(gc: torch.Tensor) -> torch.Tensor:
 
 
 class KernelWalks:
+    """One backward call's walks (made per call: it keeps that call's W for the second walk)."""
+
     def __init__(self, dtype: torch.dtype):
         self.dtype = dtype
         self.tl_dtype = _TORCH_TO_TL[dtype]
+        self._w_of = None  # (ChunkInputs, its W stream)
 
     def _layout(self, x):
         rows, chunks, Hv = x.q.shape[:3]
@@ -42,15 +45,18 @@ class KernelWalks:
         index = device.index if device.index is not None else torch.cuda.current_device()
         return rows, chunks, Hv, cu, offsets, block_v_for(rows, Hv, _sm_count(index))
 
-    @staticmethod
-    def _w(x) -> torch.Tensor:
-        """W = diag(gamma) A diag(beta) K per chunk (docs/algorithm.md W1)."""
-        return x.decay.gamma.unsqueeze(-1) * (x.A @ (x.beta.unsqueeze(-1) * x.k))
+    def _w_stream(self, x) -> torch.Tensor:
+        """W = diag(gamma) A diag(beta) K per chunk (docs/algorithm.md W1) as a kernel stream, made once."""
+        if self._w_of is None or self._w_of[0] is not x:
+            w = x.decay.gamma.unsqueeze(-1) * (x.A @ (x.beta.unsqueeze(-1) * x.k))
+            self._w_of = (x, _stream(w, self.dtype))
+        return self._w_of[1]
 
     def states_in(self, x, S0: torch.Tensor) -> torch.Tensor:
         rows, chunks, Hv, cu, offsets, block_v = self._layout(x)
         U = (x.decay.Gamma * x.A) @ (x.beta.unsqueeze(-1) * x.v)
-        k, w, u = (_stream(t, self.dtype) for t in (x.k, self._w(x), U))
+        k, u = _stream(x.k, self.dtype), _stream(U, self.dtype)
+        w = self._w_stream(x)
         h = torch.empty(rows * chunks, Hv, HEAD_DIM, HEAD_DIM, dtype=self.dtype, device=k.device)
         vnew = torch.empty_like(u)
         h0 = S0.float().reshape(rows * Hv, HEAD_DIM, HEAD_DIM).contiguous()
@@ -62,7 +68,8 @@ class KernelWalks:
     def state_gradients(self, x, b, dS_final: torch.Tensor):
         rows, chunks, Hv, cu, offsets, block_v = self._layout(x)
         dV_local = b.P.transpose(-1, -2) @ b.dOs  # B1 without the dS term, for all chunks at once
-        q, k, w, dOs, dVl = (_stream(t, self.dtype) for t in (x.q, x.k, self._w(x), b.dOs, dV_local))
+        q, k, dOs, dVl = (_stream(t, self.dtype) for t in (x.q, x.k, b.dOs, dV_local))
+        w = self._w_stream(x)
         dh = torch.empty(rows * chunks, Hv, HEAD_DIM, HEAD_DIM, dtype=self.dtype, device=k.device)
         dht = dS_final.float().reshape(rows * Hv, HEAD_DIM, HEAD_DIM).contiguous()
         dh0 = torch.empty_like(dht)
