@@ -6,12 +6,14 @@ p). One all-gather shares (S*, M); each rank folds the chain of the parts before
 
     S_enter[p] = S*_{p-1} + M_{p-1} S_enter[p-1]     (fp32, or fp64 for fp64 inputs)
 
-and runs the ordinary local op with S_enter as the initial state of the part's first sequence. On NCCL
+and runs the ordinary local op with S_enter as the initial state of the part's first sequence. The
+summaries come from `backends.summary` (on the TileLang path the state-only summary walk: S* from zero,
+M from the identity with U = 0). On NCCL
 the all-gather is started asynchronously and the local work that does not need S_enter (every
 sequence that starts on this rank) runs while it is in flight.
 
 Backward mirrors it: for its first sequence each part computes D_p, the gradient of the state entering
-the part when the gradient leaving the part is zero, and M'_p (the transition product of that sequence
+the part when the gradient leaving the part is zero (the reverse state-gradient walk alone), and M'_p (the transition product of that sequence
 inside the part, 0 if it ends there); one all-gather; then X_p = D_{p+1} + M'_{p+1}^T X_{p+1}
 is the gradient of the state leaving part p, fed to the local backward as the last sequence's dht.
 
@@ -107,10 +109,11 @@ class InterCardCPFunction(torch.autograd.Function):
         for i, piece in enumerate(cp.pieces):
             if piece.last_seq_continues:
                 s, e = _sequence_span(cp, cp.last_sequence_of(piece))
-                args = [_span(t, s, e) for t in (q, k, v, g, beta)]
-                S_star[i] = _final_state_from_zero(*args, scale, plan, cp_warmup, backend).to(dtype)[0]
-                if cp.first_sequence_of(piece) == cp.last_sequence_of(piece) and piece.first_seq_continues:
-                    M[i] = torch_backend.transition_product(*args).to(dtype)[0]
+                spanning = cp.first_sequence_of(piece) == cp.last_sequence_of(piece) and piece.first_seq_continues
+                summary = backends.summary(backend, *[_span(t, s, e) for t in (q, k, v, g, beta)], spanning)
+                S_star[i] = summary[0].to(dtype)[0]
+                if spanning:
+                    M[i] = summary[1].to(dtype)[0]
         exchange = _Exchange(cp, S_star, M)
         # while the summaries travel: every sequence that starts on this rank (zero initial state)
         initial_state = q.new_zeros((len(cp.local_bounds) - 1, Hv, K, V), dtype=dtype)
@@ -142,10 +145,9 @@ class InterCardCPFunction(torch.autograd.Function):
                 n = cp.first_sequence_of(piece)
                 s, e = _sequence_span(cp, n)
                 args = [_span(t, s, e) for t in (q, k, v, g, beta)]
-                # D: gradient of the entering state with a zero gradient leaving the part
-                grads = torch_backend.backward(*args, scale, initial_state[n:n + 1], _sub_plan(plan, s, e),
-                                               do[:, s:e], None, warmup, walks)
-                D[i] = grads[5][0]
+                # D: gradient of the entering state with a zero gradient leaving the part (the reverse
+                # walk alone; the full local backward below gives the other gradients)
+                D[i] = torch_backend.entering_state_gradient(*args, scale, do[:, s:e], walks)[0].to(D.dtype)
         # M'_p is nonzero only where the first sequence also leaves the part: the forward's M
         exchange = _Exchange(cp, D, M_spanning)
         dD, dM = exchange.wait()
@@ -166,13 +168,6 @@ def _sequence_span(cp: CPContext, n: int) -> tuple[int, int]:
 def _sub_plan(plan, start: int, end: int):
     """The same segment length, for the single sequence [start, end) of the local stream."""
     return torch_backend.make_plan(1, end - start, None, plan.segment_chunks)
-
-
-def _final_state_from_zero(q, k, v, g, beta, scale, plan, cp_warmup, backend):
-    """S*: the state after one local sequence [1, T] started from zero, on the call's backend."""
-    call = backends.Call(q, k, v, g, beta, None, None)
-    _, S_final = backends.forward(backend, call, scale, True, _sub_plan(plan, 0, q.shape[1]), cp_warmup)
-    return S_final
 
 
 def _local_forward(q, k, v, g, beta, scale, initial_state, cu_seqlens, plan, cp_warmup, backend):

@@ -86,6 +86,26 @@ def forward(name: str, call: Call, scale: float, output_final_state: bool, plan,
     return torch_backend.forward(c.q, c.k, c.v, c.g, c.beta, scale, c.initial_state, output_final_state, plan, cp_warmup)
 
 
+def summary(name: str, q, k, v, g, beta, with_transition: bool):
+    """(S*, M or None) of one whole sequence [1, T] started from zero: S_end = M S_start + S* (design §3).
+
+    On "tilelang" both come from the state-only summary walk (S* from zero, M as the walk of U = 0 from
+    S0 = I, chunk_states.py); on "torch" from the reference (a state walk and the pairwise transition
+    product). Shapes [1, Hv, K, V] and [1, Hv, K, K], fp32 (fp64 for fp64 inputs)."""
+    if name == "tilelang":
+        hopper, _ = _hopper_kernels()
+        x = hopper.prepare(q, k, v, g, beta, None)
+        _, _, S_star = hopper.walk(x, None, store_chunks=False)
+        M = None
+        if with_transition:
+            eye = torch.eye(k.shape[-1], dtype=torch.float32, device=q.device).expand(1, v.shape[2], -1, -1)
+            _, _, M = hopper.walk(x, eye, store_chunks=False, use_u=False)
+        return S_star, M
+    plan = torch_backend.make_plan(1, q.shape[1], None, 0)
+    _, S_star = torch_backend.forward(q, k, v, g, beta, 1.0, None, True, plan)
+    return S_star, torch_backend.transition_product(q, k, v, g, beta) if with_transition else None
+
+
 def walks_for(name: str, dtype: torch.dtype):
     """The serial walks of the backward: TileLang kernels on the "tilelang" backend, else torch."""
     if name == "tilelang":

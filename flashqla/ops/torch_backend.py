@@ -107,6 +107,17 @@ def backward(q, k, v, g, beta, scale, initial_state, plan: SegmentPlan, do, dht,
     return dq, dk, dv, dg, dbeta, dh0
 
 
+def entering_state_gradient(q, k, v, g, beta, scale, do, walks=reference.ReferenceWalks):
+    """dS0 of one whole sequence [1, T] when the gradient of its final state is zero: the reverse walk
+    alone (no state recompute, no chunk-local gradients). Inter-card CP's D_p (flashqla/cp/inter.py)."""
+    plan = make_plan(1, q.shape[1], None, 0)
+    p = _Prepared(q, k, v, g, beta, None, plan)
+    dO = p.grid.gather(_flat(do).to(p.x.q.dtype)).movedim(3, 2)
+    b = reference.backward_terms(p.x, dO, scale)
+    _, dS0 = walks.state_gradients(p.x, b, torch.zeros_like(p.S0_sequences))
+    return dS0
+
+
 def transition_product(q, k, v, g, beta):
     """M [1, Hv, K, K] of one whole sequence [1, T]: its end state is M S_start + S* (design doc §3)."""
     grid = runs_from_lengths([0], [q.shape[1]], q.shape[1])
