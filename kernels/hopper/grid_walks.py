@@ -13,7 +13,17 @@ from __future__ import annotations
 
 import torch
 
-from .launch import CHUNK, HEAD_DIM, _sm_count, block_v_for, compiled_chunk_dstates, compiled_chunk_states
+from .launch import (
+    CHUNK,
+    HEAD_DIM,
+    _sm_count,
+    block_v_for,
+    compiled_chunk_bwd_local,
+    compiled_chunk_dstates,
+    compiled_chunk_states,
+)
+
+BLOCK_CHUNKS = 64  # chunks per block of the host-side <S, dS> reduction
 
 _TORCH_TO_TL = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
@@ -76,3 +86,28 @@ class KernelWalks:
         compiled_chunk_dstates(self.tl_dtype, block_v)(q, k, w, dOs, dVl, _gate_stream(x.gc), cu, offsets, dht, dh,
                                                        dh0, 1, 1)
         return dh.view(rows, chunks, Hv, HEAD_DIM, HEAD_DIM), dh0.view(rows, Hv, HEAD_DIM, HEAD_DIM).to(x.q.dtype)
+
+    def chunk_gradients(self, x, b, S_in: torch.Tensor, dS_out: torch.Tensor):
+        """reference.chunk_backward on the chunk_bwd_local kernel: dq, dk, dv, dgc, dbeta on the grid."""
+        rows, chunks, Hv, C, D = x.q.shape
+        N = rows * chunks * C
+        device = x.q.device
+        q, k, v, dOs, A = (_stream(t, self.dtype) for t in (x.q, x.k, x.v, b.dOs, x.A))
+        beta = x.beta.transpose(2, 3).reshape(N, Hv).float().contiguous()
+        h = S_in.reshape(rows * chunks, Hv, D, D).to(self.dtype).contiguous()
+        dh = dS_out.reshape(rows * chunks, Hv, D, D).to(self.dtype).contiguous()
+        dq, dk, dv = (torch.empty(N, Hv, D, dtype=torch.float32, device=device) for _ in range(3))
+        dgc = torch.empty(Hv, N, dtype=torch.float32, device=device)
+        dbeta = torch.empty(N, Hv, dtype=torch.float32, device=device)
+        compiled_chunk_bwd_local(self.tl_dtype)(q, k, v, dOs, A, _gate_stream(x.gc), beta, h, dh, dq, dk, dv, dgc,
+                                                dbeta)
+
+        work = x.q.dtype
+        on_grid = lambda t: t.view(rows, chunks, C, Hv, -1).transpose(2, 3).to(work)  # noqa: E731
+        dgc = dgc.view(Hv, rows, chunks, C).permute(1, 2, 0, 3).to(work)
+        # the kernel leaves out gamma_last <S, dS> of the last row (docs/algorithm.md): blocks of chunks
+        for c0 in range(0, chunks, BLOCK_CHUNKS):
+            c1 = c0 + BLOCK_CHUNKS
+            SdS = (S_in[:, c0:c1].to(work) * dS_out[:, c0:c1].to(work)).sum((-1, -2))
+            dgc[:, c0:c1, :, -1] += x.decay.gamma_last[:, c0:c1, :, 0] * SdS
+        return on_grid(dq), on_grid(dk), on_grid(dv), dgc, on_grid(dbeta).squeeze(-1)

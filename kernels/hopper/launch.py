@@ -71,6 +71,15 @@ def compiled_chunk_dstates(dtype: str, block_v: int):
                           target=TARGET, pass_configs=_pass_configs())
 
 
+@functools.lru_cache(maxsize=None)
+def compiled_chunk_bwd_local(dtype: str):
+    """The compiled chunk-local backward (chunk_bwd_local.py) for `dtype`."""
+    from .chunk_bwd_local import build_chunk_bwd_local
+
+    return compile_kernel(build_chunk_bwd_local(dtype), f"chunk_bwd_local({dtype})", target=TARGET,
+                          pass_configs=_pass_configs())
+
+
 def kernel_configs(dtypes=KERNEL_DTYPES):
     """Every (kernel, args) pair dispatch can choose for TileLang dtypes `dtypes`: what a build machine compiles.
 
@@ -80,6 +89,7 @@ def kernel_configs(dtypes=KERNEL_DTYPES):
     for dtype in dtypes:
         yield compiled_wy_inverse, (dtype,)
         yield compiled_chunk_output, (dtype,)
+        yield compiled_chunk_bwd_local, (dtype,)
         for block_v in BLOCK_V_CHOICES:
             yield compiled_fused_fwd, (dtype, block_v)
             yield compiled_chunk_states, (dtype, block_v)
