@@ -1,0 +1,152 @@
+"""Torch stand-ins for the compiled TileLang kernels, with their exact argument lists (test support).
+
+Each `emulate_<kernel>` takes what the compiled kernel takes (flat token-layout tensors, `cu_seqlens`,
+chunk offsets, runtime flags) and writes the same outputs, computed in fp64 chunk by chunk from the
+kernel's docstring equations. Installed over `flashqla.kernels.hopper.launch.compiled_*` (see
+`install`), they let the CPU suite run every line of the kernels' host code — layouts, offsets, flags,
+the split / fused / segmented forward, the backward's kernel walks, inter-card summaries — against the
+torch backend. What they cannot test is the kernels themselves (tests/gpu does that on an H200).
+"""
+from __future__ import annotations
+
+import torch
+
+C = 64
+
+
+def _chunks(cu):
+    """(sequence, chunk index within it, first token, rows) of every chunk of the pack."""
+    bounds = cu.tolist()
+    for n, (bos, eos) in enumerate(zip(bounds[:-1], bounds[1:])):
+        for c, t0 in enumerate(range(bos, eos, C)):
+            yield n, c, t0, min(C, eos - t0)
+
+
+def _rows(x, t0, n_rows, heads=None):
+    """Rows [t0, t0 + n_rows) of a [T, H, ...] tensor as fp64 [H, C, ...], zero rows past n_rows."""
+    part = x[t0:t0 + n_rows].double().movedim(0, 1)
+    if heads is not None:
+        part = part[heads]
+    pad = part.new_zeros(part.shape[:1] + (C - n_rows,) + part.shape[2:])
+    return torch.cat([part, pad], 1)
+
+
+def _gates(gcum, t0, n_rows):
+    """[Hv, C] cumulative gates (natural log), rows past the end repeating the last row, and factors."""
+    gc = gcum[:, t0:t0 + n_rows].double()
+    gc = torch.cat([gc, gc[:, -1:].expand(-1, C - n_rows)], 1)
+    gamma = gc.exp()
+    lower = torch.ones(C, C, dtype=torch.bool).tril()
+    Gamma = (gc[:, :, None] - gc[:, None, :]).masked_fill(~lower, -torch.inf).exp()
+    return gc, gamma, Gamma, gc[:, -1:].exp(), (gc[:, -1:] - gc).exp()
+
+
+def _qk_heads(num_qk, num_v):
+    return torch.arange(num_v) // (num_v // num_qk)
+
+
+def emulate_wy_inverse(k, beta, g, cu, offsets, v, Ab, gcum, w, u, chunk_slots, search_steps):
+    Hv = v.shape[1]
+    hk = _qk_heads(k.shape[1], Hv)
+    for _, _, t0, n in _chunks(cu):
+        K = _rows(k, t0, n, hk)  # [Hv, C, D]
+        b = _rows(beta, t0, n)  # [Hv, C]
+        gc = _rows(g, t0, n).cumsum(-1)
+        L = torch.tril(b[:, :, None] * (K @ K.transpose(-1, -2)), -1)
+        eye = torch.eye(C, dtype=torch.float64).expand_as(L)
+        A = torch.linalg.solve_triangular(eye + L, eye, upper=False, unitriangular=True) * b[:, None, :]
+        lower = torch.ones(C, C, dtype=torch.bool).tril()
+        Gamma = (gc[:, :, None] - gc[:, None, :]).masked_fill(~lower, -torch.inf).exp()
+        W = gc.exp()[:, :, None] * (A @ K)
+        U = (Gamma * A) @ _rows(v, t0, n)
+        Ab[t0:t0 + n] = A[:, :n].movedim(0, 1).to(Ab.dtype)
+        gcum[:, t0:t0 + n] = gc[:, :n].to(gcum.dtype)
+        w[t0:t0 + n] = W[:, :n].movedim(0, 1).to(w.dtype)
+        u[t0:t0 + n] = U[:, :n].movedim(0, 1).to(u.dtype)
+
+
+def emulate_chunk_states(k, w, u, gcum, cu, offsets, h0, h_out, vnew, ht, use_h0, store_ht, store_chunks, use_u):
+    Hv, D = w.shape[1], w.shape[2]
+    hk = _qk_heads(k.shape[1], Hv)
+    S = None
+    for n, c, t0, rows in _chunks(cu):
+        if c == 0:
+            S = h0[n * Hv:(n + 1) * Hv].double() if use_h0 else torch.zeros(Hv, D, D, dtype=torch.float64)
+        _, _, _, gamma_last, to_end = _gates(gcum, t0, rows)
+        if store_chunks:
+            h_out[offsets[n] + c] = S.to(h_out.dtype)
+        Vn = -(_rows(w, t0, rows) @ S)
+        if use_u:
+            Vn = Vn + _rows(u, t0, rows)
+        if store_chunks:
+            vnew[t0:t0 + rows] = Vn[:, :rows].movedim(0, 1).to(vnew.dtype)
+        K = _rows(k, t0, rows, hk)
+        S = gamma_last[:, :, None] * S + K.transpose(-1, -2) @ (to_end[:, :, None] * Vn)
+        if store_ht and t0 + rows == cu[n + 1]:
+            ht[n * Hv:(n + 1) * Hv] = S.to(ht.dtype)
+
+
+def emulate_chunk_output(q, k, vnew, gcum, h_in, cu, offsets, o, scale, search_steps):
+    Hv = vnew.shape[1]
+    hk = _qk_heads(q.shape[1], Hv)
+    for n, c, t0, rows in _chunks(cu):
+        _, gamma, Gamma, _, _ = _gates(gcum, t0, rows)
+        Q, K = _rows(q, t0, rows, hk), _rows(k, t0, rows, hk)
+        S = h_in[offsets[n] + c].double()
+        O = scale * (gamma[:, :, None] * (Q @ S) + (Gamma * (Q @ K.transpose(-1, -2))) @ _rows(vnew, t0, rows))
+        o[t0:t0 + rows] = O[:, :rows].movedim(0, 1).to(o.dtype)
+
+
+def emulate_fused_fwd(q, k, v, Ab, gcum, cu, h0, o, ht, scale, use_h0, store_ht):
+    Hv, D = v.shape[1], v.shape[2]
+    hk = _qk_heads(q.shape[1], Hv)
+    S = None
+    for n, c, t0, rows in _chunks(cu):
+        if c == 0:
+            S = h0[n * Hv:(n + 1) * Hv].double() if use_h0 else torch.zeros(Hv, D, D, dtype=torch.float64)
+        _, gamma, Gamma, gamma_last, to_end = _gates(gcum, t0, rows)
+        Q, K = _rows(q, t0, rows, hk), _rows(k, t0, rows, hk)
+        Vn = (Gamma * _rows(Ab, t0, rows)) @ (_rows(v, t0, rows) - gamma[:, :, None] * (K @ S))
+        O = scale * (gamma[:, :, None] * (Q @ S) + (Gamma * (Q @ K.transpose(-1, -2))) @ Vn)
+        o[t0:t0 + rows] = O[:, :rows].movedim(0, 1).to(o.dtype)
+        S = gamma_last[:, :, None] * S + K.transpose(-1, -2) @ (to_end[:, :, None] * Vn)
+        if store_ht and t0 + rows == cu[n + 1]:
+            ht[n * Hv:(n + 1) * Hv] = S.to(ht.dtype)
+
+
+def emulate_chunk_dstates(q, k, w, dos, dvloc, gcum, cu, offsets, dht, dh_out, dh0, use_dht, store_dh0):
+    Hv, D = w.shape[1], w.shape[2]
+    hk = _qk_heads(q.shape[1], Hv)
+    chunks = list(_chunks(cu))
+    for n in range(cu.numel() - 1):
+        dS = dht[n * Hv:(n + 1) * Hv].double() if use_dht else torch.zeros(Hv, D, D, dtype=torch.float64)
+        for _, c, t0, rows in reversed([ch for ch in chunks if ch[0] == n]):
+            assert rows == C, "chunk_dstates needs whole chunks"
+            _, gamma, _, gamma_last, to_end = _gates(gcum, t0, rows)
+            dh_out[offsets[n] + c] = dS.to(dh_out.dtype)
+            X = _rows(dvloc, t0, rows) + to_end[:, :, None] * (_rows(k, t0, rows, hk) @ dS)
+            dOg = gamma[:, :, None] * _rows(dos, t0, rows)
+            dS = (gamma_last[:, :, None] * dS + _rows(q, t0, rows, hk).transpose(-1, -2) @ dOg
+                  - _rows(w, t0, rows).transpose(-1, -2) @ X)
+        if store_dh0:
+            dh0[n * Hv:(n + 1) * Hv] = dS.to(dh0.dtype)
+
+
+def install(monkeypatch):
+    """Replace every compiled kernel (and the SM count query) of flashqla.kernels.hopper by the emulators."""
+    from flashqla.kernels.hopper import grid_walks, launch
+
+    kernels = {
+        "compiled_wy_inverse": lambda dtype: emulate_wy_inverse,
+        "compiled_chunk_states": lambda dtype, block_v: emulate_chunk_states,
+        "compiled_chunk_output": lambda dtype: emulate_chunk_output,
+        "compiled_fused_fwd": lambda dtype, block_v: emulate_fused_fwd,
+        "compiled_chunk_dstates": lambda dtype, block_v: emulate_chunk_dstates,
+    }
+    for module in (launch, grid_walks):
+        for name, fake in kernels.items():
+            if hasattr(module, name):
+                monkeypatch.setattr(module, name, fake)
+    monkeypatch.setattr(launch, "_sm_count", lambda index: 132)
+    monkeypatch.setattr(grid_walks, "_sm_count", lambda index: 132)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)

@@ -1,0 +1,98 @@
+"""The host side of the TileLang kernels on the CPU, with torch emulators in place of the compiled kernels
+(tests/kernel_emulator.py): every layout, offset and flag the kernels receive, against the torch backend.
+
+Covers the split and fused forwards, intra-card segments on the kernel path, the backward's kernel walks,
+and the inter-card summaries. Inputs are bf16 (what the kernels take); the emulators compute in fp64, so
+the limits are bf16's (the kernels' own precision is tested on the H200 in tests/gpu).
+"""
+import pytest
+import torch
+
+import kernel_emulator
+from gdn_inputs import make_inputs, random_cu_seqlens, rel_err
+
+pytest.importorskip("tilelang")
+
+TOL = 5e-3
+NAMES = ("q", "k", "v", "g", "beta")
+
+
+@pytest.fixture
+def hopper(monkeypatch):
+    kernel_emulator.install(monkeypatch)
+    from flashqla.kernels import hopper
+
+    return hopper
+
+
+def call(lengths, Hqk=2, Hv=4, with_h0=True, seed=0):
+    args = make_inputs(1, sum(lengths), Hqk, Hv, 128, 128, dtype=torch.bfloat16, num_seqs=len(lengths),
+                       with_h0=with_h0, strong_heads=(Hv - 1,), seed=seed, requires_grad=False)
+    return args, random_cu_seqlens(lengths)
+
+
+def torch_forward(args, cu, plan_chunks=0, scale=128 ** -0.5):
+    from flashqla.ops import torch_backend
+
+    plan = torch_backend.make_plan(1, args["q"].shape[1], cu.tolist(), plan_chunks)
+    return torch_backend.forward(*(args[n] for n in NAMES), scale, args.get("initial_state"), True, plan)
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["split", "fused"])
+def test_forward_paths_match_the_torch_backend(hopper, fused):
+    args, cu = call([1, 65, 130, 64, 7], Hqk=2, Hv=6)
+    o, ht = hopper.chunk_gdn_fwd(*(args[n] for n in NAMES), 128 ** -0.5, args["initial_state"], True, cu, fused=fused)
+    o_ref, ht_ref = torch_forward(args, cu)
+    assert o.shape == o_ref.shape and ht.shape == ht_ref.shape and o.dtype == torch.bfloat16
+    assert rel_err(o, o_ref) <= TOL and rel_err(ht, ht_ref) <= TOL, (rel_err(o, o_ref), rel_err(ht, ht_ref))
+
+
+def test_dispatch_picks_fused_for_many_walks(hopper):
+    from flashqla.kernels.hopper import launch
+
+    assert not launch.use_fused(1, 8) and not launch.use_fused(1, 16)
+    assert launch.use_fused(1, 24) and launch.use_fused(8, 8)
+
+
+def test_segmented_kernel_path_matches_unsegmented(hopper):
+    from flashqla.cp import segments
+    from flashqla.ops import torch_backend
+
+    args, cu = call([700, 65, 1, 300], seed=1)
+    plan = torch_backend.make_plan(1, args["q"].shape[1], cu.tolist(), 3)
+    assert plan.is_segmented
+    o, ht = segments.segmented_forward(hopper, *(args[n] for n in NAMES), 128 ** -0.5, args["initial_state"], True,
+                                       plan, None)
+    o_ref, ht_ref = torch_forward(args, cu)
+    assert rel_err(o, o_ref) <= TOL and rel_err(ht, ht_ref) <= TOL, (rel_err(o, o_ref), rel_err(ht, ht_ref))
+
+
+@pytest.mark.parametrize("segment_chunks", [0, 2])
+def test_backward_kernel_walks_match_the_reference_walks(hopper, segment_chunks):
+    from flashqla.ops import reference, torch_backend
+
+    args, cu = call([200, 1, 129], Hqk=2, Hv=4, seed=2)
+    plan = torch_backend.make_plan(1, args["q"].shape[1], cu.tolist(), segment_chunks)
+    gen = torch.Generator().manual_seed(5)
+    do = torch.randn(args["v"].shape, generator=gen).bfloat16()
+    dht = torch.randn(args["initial_state"].shape, generator=gen) * 0.1
+    inputs = [args[n] for n in NAMES]
+    got = torch_backend.backward(*inputs, 0.25, args["initial_state"], plan, do, dht, None,
+                                 hopper.KernelWalks(torch.bfloat16))
+    want = torch_backend.backward(*inputs, 0.25, args["initial_state"], plan, do, dht, None,
+                                  reference.ReferenceWalks)
+    limits = {"q": 1e-2, "k": 1e-2, "v": 1e-2, "g": 2e-2, "beta": 2e-2, "initial_state": 1e-2}
+    for name, a, b in zip(limits, got, want):
+        assert a.shape == b.shape and a.dtype == b.dtype, name
+        assert rel_err(a, b) <= limits[name], (name, rel_err(a, b))
+
+
+def test_summaries_on_the_kernel_path_match_the_torch_path(hopper):
+    from flashqla.ops import backends
+
+    args, _ = call([500], Hqk=2, Hv=4, with_h0=False, seed=3)
+    S_tl, M_tl = backends.summary("tilelang", *(args[n] for n in NAMES), True)
+    S_pt, M_pt = backends.summary("torch", *(args[n] for n in NAMES), True)
+    assert S_tl.shape == S_pt.shape == (1, 4, 128, 128) and M_tl.shape == M_pt.shape == (1, 4, 128, 128)
+    assert rel_err(S_tl, S_pt) <= TOL and rel_err(M_tl, M_pt) <= TOL, (rel_err(S_tl, S_pt), rel_err(M_tl, M_pt))
+    assert backends.summary("tilelang", *(args[n] for n in NAMES), False)[1] is None
