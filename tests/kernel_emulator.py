@@ -132,6 +132,28 @@ def emulate_chunk_dstates(q, k, w, dos, dvloc, gcum, cu, offsets, dht, dh_out, d
             dh0[n * Hv:(n + 1) * Hv] = dS.to(dh0.dtype)
 
 
+def emulate_chunk_bwd_local(q, k, v, dos, A, gc, beta, h, dh, dq, dk, dv, dgc, dbeta):
+    """Grid stream, whole chunks: reference.chunk_backward per chunk, minus the gamma_last <S, dS> term of
+    the last row's dgc, which the kernel leaves to its caller."""
+    from flashqla.ops import reference
+
+    Hv = v.shape[1]
+    for chunk in range(h.shape[0]):
+        t0 = chunk * C
+        one = lambda t: _rows(t, t0, C)[None, None]  # noqa: E731  [1, 1, Hv, C, ...]
+        gcc = one(gc.t())
+        x = reference.ChunkInputs(one(q), one(k), one(v), gcc, one(beta), one(A), reference.decay_factors(gcc))
+        b = reference.backward_terms(x, one(dos), 1.0)
+        S, dS = h[chunk].double()[None, None], dh[chunk].double()[None, None]
+        gq, gk, gv, ggc, gbeta = reference.chunk_backward(x, b, S, dS)
+        ggc[..., -1] -= x.decay.gamma_last[..., 0] * (S * dS).sum((-1, -2))
+        for out, grad in ((dq, gq), (dk, gk), (dv, gv)):
+            out[t0:t0 + C] = grad[0, 0].movedim(0, 1).to(out.dtype)
+        dgc[:, t0:t0 + C] = ggc[0, 0].to(dgc.dtype)
+        dbeta[t0:t0 + C] = gbeta[0, 0].t().to(dbeta.dtype)
+    assert Hv == q.shape[1], "the grid stream has q and k expanded to the v-heads"
+
+
 def install(monkeypatch):
     """Replace every compiled kernel (and the SM count query) of flashqla.kernels.hopper by the emulators."""
     from flashqla.kernels.hopper import grid_walks, launch
@@ -142,6 +164,7 @@ def install(monkeypatch):
         "compiled_chunk_output": lambda dtype: emulate_chunk_output,
         "compiled_fused_fwd": lambda dtype, block_v: emulate_fused_fwd,
         "compiled_chunk_dstates": lambda dtype, block_v: emulate_chunk_dstates,
+        "compiled_chunk_bwd_local": lambda dtype: emulate_chunk_bwd_local,
     }
     for module in (launch, grid_walks):
         for name, fake in kernels.items():
