@@ -136,3 +136,26 @@ def test_inter_card_cp_on_the_kernel_path_equals_one_process(intra_cp):
     from multiprocess import run_on_ranks
 
     run_on_ranks(2, _inter_card_cp_on_the_kernel_path, [130, 300, 82], intra_cp)
+
+
+def test_public_op_on_the_kernel_path_segments_by_the_calibrated_rule(hopper, monkeypatch):
+    """backend="tilelang", intra_cp="auto": one sequence of 256 chunks with one v-head is cut into 64-chunk
+    segments (the H200 calibration), the backward reuses that plan, and the result is the torch backend's."""
+    import flashqla
+    from flashqla.ops import backends
+
+    monkeypatch.setattr(backends, "tilelang_unsupported_reason", lambda call: None)  # "tilelang" on the CPU
+    seen = {}
+    real_forward = backends.forward
+
+    def spy(name, call_, scale, output_final_state, plan, cp_warmup):
+        seen["name"], seen["plan"] = name, plan
+        return real_forward(name, call_, scale, output_final_state, plan, cp_warmup)
+
+    monkeypatch.setattr(backends, "forward", spy)
+    args, cu = call([64 * 256], Hqk=1, Hv=1, with_h0=False, seed=5)
+    o, ht = flashqla.chunk_gated_delta_rule(*(args[n] for n in NAMES), cu_seqlens=cu, output_final_state=True,
+                                            backend="tilelang")
+    assert seen["name"] == "tilelang" and seen["plan"].segment_chunks == 64 and len(seen["plan"].lengths) == 4
+    o_ref, ht_ref = torch_forward(args, cu)
+    assert rel_err(o, o_ref) <= TOL and rel_err(ht, ht_ref) <= TOL, (rel_err(o, o_ref), rel_err(ht, ht_ref))
