@@ -1,14 +1,15 @@
 """Forward GDN chunked prefill on one GPU: flashqla (TileLang) vs FLA (Triton) vs FlashQLA, one process.
 
 Each implementation is warmed up (compiles), captured once in a CUDA graph and replayed; the time is the
-median over --reps replays measured with CUDA events. Intra-card CP is off for all three (FLA: no CP in
-this path; FlashQLA: auto_cp=False). Inputs are model-like (q, k L2-normalised, beta = sigmoid(randn),
+median over --reps replays measured with CUDA events (eager when a peer syncs with the host). Columns:
+flashqla split and fused kernels (CP off), the public op with AutoCP, a forced segment-length sweep
+(--cp-sweep), FLA's Triton path (no intra-card CP), FlashQLA with auto_cp off and on. Inputs are model-like (q, k L2-normalised, beta = sigmoid(randn),
 g = -A softplus(x + 1) with A ~ U(0.01, 16), a quarter of the heads at g = 0), bf16, K = V = 128.
 
     python benchmarks/bench_gdn.py [--flashqla-configs all|none|0,3] [--out docs/benchmarks.md]
 
-FlashQLA JIT-compiles ~3 minutes per head/varlen configuration on first use, so by default it is timed on
-the first configuration only; FLA_FLASH_QLA=0 and FLA_DISABLE_BACKEND_DISPATCH=1 keep FLA on Triton.
+FlashQLA JIT-compiles for ~30 s (forward) per head/varlen configuration on first use, so by default it is
+timed on the first configuration only; FLA_FLASH_QLA=0 and FLA_DISABLE_BACKEND_DISPATCH=1 keep FLA on Triton.
 """
 from __future__ import annotations
 
@@ -162,18 +163,22 @@ def impl_fla():
     return run
 
 
-def impl_flash_qla():
+def impl_flash_qla(auto_cp=False):
     import inspect
 
     from flash_qla import chunk_gated_delta_rule_fwd
 
     params = inspect.signature(chunk_gated_delta_rule_fwd).parameters
-    no_cp = {"auto_cp": False} if "auto_cp" in params else {}
+    cp = {"auto_cp": auto_cp} if "auto_cp" in params else {}
 
     def run(q, k, v, g, beta, cu):
         return chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale=D ** -0.5, cu_seqlens=cu.long(),
-                                          output_final_state=False, **no_cp)
+                                          output_final_state=False, **cp)
     return run
+
+
+def impl_flash_qla_cp():
+    return impl_flash_qla(auto_cp=True)
 
 
 def versions():
@@ -192,14 +197,15 @@ def write_report(path, rows, vers, notes):
     lines = [
         "# Forward benchmark (H200)", "",
         f"Date: {datetime.date.today()}; {', '.join(f'{k} {v}' for k, v in vers.items())}.", "",
-        "bf16, K = V = 128, forward only, intra-card CP off for all three, CUDA graph replay, median of "
+        "bf16, K = V = 128, forward only, CUDA graph replay where the implementation can be captured, median of "
         "the replays (benchmarks/bench_gdn.py). Floors: inputs + output once at 4.3 TB/s; chunked-form "
         "tensor-core FLOPs at 790 TFLOP/s.", "",
         "flashqla = three kernels (wy_inverse, chunk_states, chunk_output); fused = the single-walk kernel; "
         "+CP = the public op with intra_cp='auto' (L = chunks per segment the planner chose, 0 = off); "
         "sweep = the fastest forced segment length (the AutoCP calibration); best = the fastest flashqla column.", "",
-        "| config | Hqk | Hv | seqlens | flashqla ms | fused ms | +CP ms (L) | sweep ms (L) | FLA ms | FlashQLA ms | best vs FLA | best vs FlashQLA | mem floor us | MMA floor us |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "FlashQLA: CP off / its AutoCP on (timed on the --flashqla-configs only).", "",
+        "| config | Hqk | Hv | seqlens | flashqla ms | fused ms | +CP ms (L) | sweep ms (L) | FLA ms | FlashQLA ms | FlashQLA+CP ms | best vs FLA | best vs FlashQLA | best vs FlashQLA+CP | mem floor us | MMA floor us |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     fmt = lambda x: "n/a" if x is None else f"{x:.3f}"  # noqa: E731
     ratio = lambda a, b: "n/a" if a is None or b is None else f"{b / a:.2f}x"  # noqa: E731
@@ -212,7 +218,8 @@ def write_report(path, rows, vers, notes):
         lines.append(f"| {r['name']} | {r['Hqk']} | {r['Hv']} | {r['seqs']} | {fmt(r['flashqla'])} | "
                      f"{fmt(r.get('flashqla_fused'))} | {fmt(r['flashqla_cp'])} ({r['L']}) | "
                      f"{fmt(r['sweep_best'])} ({best_L}) | {fmt(r['fla'])} | {fmt(r['flash_qla'])} | "
-                     f"{ratio(r['best'], r['fla'])} | {ratio(r['best'], r['flash_qla'])} | "
+                     f"{fmt(r.get('flash_qla_cp'))} | {ratio(r['best'], r['fla'])} | {ratio(r['best'], r['flash_qla'])} | "
+                     f"{ratio(r['best'], r.get('flash_qla_cp'))} | "
                      f"{r['mem_us']:.0f} | {r['mma_us']:.0f} |")
     if any(r.get("sweep") for r in rows):
         lines += ["", "Segment-length sweep (ms, forced intra_cp=L):", ""]
@@ -220,9 +227,9 @@ def write_report(path, rows, vers, notes):
             if r.get("sweep"):
                 lines.append(f"- {r['name']} {r['seqs']} (Hv {r['Hv']}): "
                              + ", ".join(f"L={L}: {t:.3f}" for L, t in sorted(r["sweep"].items())))
-    for key, label in (("fla", "FLA"), ("flash_qla", "FlashQLA")):
+    for key, label in (("fla", "FLA"), ("flash_qla", "FlashQLA"), ("flash_qla_cp", "FlashQLA with AutoCP")):
         for col, what in (("flashqla_cp", "the public op, AutoCP"), ("best", "the best flashqla column")):
-            pairs = [(r[col], r[key]) for r in rows if r[col] and r[key]]
+            pairs = [(r[col], r.get(key)) for r in rows if r[col] and r.get(key)]
             if pairs:
                 geo = math.exp(sum(math.log(b / a) for a, b in pairs) / len(pairs))
                 lines.append(f"\nGeomean speedup of flashqla ({what}) over {label}: {geo:.2f}x over {len(pairs)} configs.")
@@ -268,7 +275,7 @@ def main():
     fq_idx = pick(args.flashqla_configs, len(CONFIGS))
 
     impls = {"flashqla": impl_flashqla, "flashqla_fused": impl_flashqla_fused, "flashqla_cp": impl_flashqla_autocp,
-             "fla": impl_fla, "flash_qla": impl_flash_qla}
+             "fla": impl_fla, "flash_qla": impl_flash_qla, "flash_qla_cp": impl_flash_qla_cp}
     sweep = [int(x) for x in args.cp_sweep.split(",") if x]
     loaded, notes = {}, []
     for key, make in impls.items():
@@ -288,7 +295,7 @@ def main():
                    L=planned_segment_chunks(Hv, seqs))
         for key in impls:
             row[key] = None
-            if key not in loaded or (key == "flash_qla" and i not in fq_idx):
+            if key not in loaded or (key.startswith("flash_qla") and i not in fq_idx):
                 continue
             try:
                 start = time.perf_counter()
@@ -317,7 +324,7 @@ def main():
         print(f"{name:9s} ({Hqk:2d},{Hv:2d}) {seq_label:12s} flashqla {row['flashqla']} fused {row['flashqla_fused']} "
               f"sweep {row['sweep']} +CP(L={row['L']}) "
               f"{row['flashqla_cp']} FLA {row['fla']} "
-              f"FlashQLA {row['flash_qla']}  floors mem {mem_us:.0f} us mma {mma_us:.0f} us", flush=True)
+              f"FlashQLA {row['flash_qla']} FlashQLA+CP {row['flash_qla_cp']}  floors mem {mem_us:.0f} us mma {mma_us:.0f} us", flush=True)
         del inputs
         torch.cuda.empty_cache()
 

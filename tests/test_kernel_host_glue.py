@@ -96,3 +96,66 @@ def test_summaries_on_the_kernel_path_match_the_torch_path(hopper):
     assert S_tl.shape == S_pt.shape == (1, 4, 128, 128) and M_tl.shape == M_pt.shape == (1, 4, 128, 128)
     assert rel_err(S_tl, S_pt) <= TOL and rel_err(M_tl, M_pt) <= TOL, (rel_err(S_tl, S_pt), rel_err(M_tl, M_pt))
     assert backends.summary("tilelang", *(args[n] for n in NAMES), False)[1] is None
+
+
+def _inter_card_cp_on_the_kernel_path(rank, world, lengths, intra_cp):
+    import torch.distributed as dist
+
+    import flashqla
+    from flashqla.cp import build_cp_context
+    from flashqla.ops import backends
+
+    patches = pytest.MonkeyPatch()
+    kernel_emulator.install(patches)
+    patches.setattr(backends, "tilelang_unsupported_reason", lambda call: None)  # "tilelang" on the CPU
+    args, cu = call(lengths, Hqk=1, Hv=2, with_h0=False, seed=4)
+    do = torch.randn(args["v"].shape, generator=torch.Generator().manual_seed(6)).bfloat16()
+    inputs = {n: args[n].requires_grad_(True) for n in NAMES}
+    o_ref, _ = flashqla.chunk_gated_delta_rule(**inputs, cu_seqlens=cu, backend="torch")
+    ref_grads = torch.autograd.grad((o_ref.float() * do.float()).sum(), [inputs[n] for n in NAMES])
+
+    part = sum(lengths) // world
+    mine = slice(rank * part, (rank + 1) * part)
+    local = {n: args[n].detach()[:, mine].clone().requires_grad_(True) for n in NAMES}
+    ctx = build_cp_context(cu, group=dist.group.WORLD, layout="contiguous")
+    o, _ = flashqla.chunk_gated_delta_rule(**local, cp_context=ctx, backend="tilelang", intra_cp=intra_cp)
+    grads = torch.autograd.grad((o.float() * do[:, mine].float()).sum(), [local[n] for n in NAMES])
+    errors = {"o": rel_err(o, o_ref[:, mine])}
+    errors.update({"d" + n: rel_err(gr, ref[:, mine]) for n, gr, ref in zip(NAMES, grads, ref_grads)})
+    limits = {"o": TOL, "dq": 1e-2, "dk": 1e-2, "dv": 1e-2, "dg": 2e-2, "dbeta": 2e-2}
+    bad = {n: e for n, e in errors.items() if not e <= limits[n]}
+    assert not bad, f"rank {rank}/{world}: {bad}"
+    patches.undo()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("intra_cp", ["off", 2])
+def test_inter_card_cp_on_the_kernel_path_equals_one_process(intra_cp):
+    """Two gloo ranks, a pack whose middle sequence crosses the cut, on the (emulated) kernels: summaries,
+    exchange, the local kernel forward with the entering state, and the kernel walks in backward."""
+    from multiprocess import run_on_ranks
+
+    run_on_ranks(2, _inter_card_cp_on_the_kernel_path, [130, 300, 82], intra_cp)
+
+
+def test_public_op_on_the_kernel_path_segments_by_the_calibrated_rule(hopper, monkeypatch):
+    """backend="tilelang", intra_cp="auto": one sequence of 256 chunks with one v-head is cut into 64-chunk
+    segments (the H200 calibration), the backward reuses that plan, and the result is the torch backend's."""
+    import flashqla
+    from flashqla.ops import backends
+
+    monkeypatch.setattr(backends, "tilelang_unsupported_reason", lambda call: None)  # "tilelang" on the CPU
+    seen = {}
+    real_forward = backends.forward
+
+    def spy(name, call_, scale, output_final_state, plan, cp_warmup):
+        seen["name"], seen["plan"] = name, plan
+        return real_forward(name, call_, scale, output_final_state, plan, cp_warmup)
+
+    monkeypatch.setattr(backends, "forward", spy)
+    args, cu = call([64 * 256], Hqk=1, Hv=1, with_h0=False, seed=5)
+    o, ht = flashqla.chunk_gated_delta_rule(*(args[n] for n in NAMES), cu_seqlens=cu, output_final_state=True,
+                                            backend="tilelang")
+    assert seen["name"] == "tilelang" and seen["plan"].segment_chunks == 64 and len(seen["plan"].lengths) == 4
+    o_ref, ht_ref = torch_forward(args, cu)
+    assert rel_err(o, o_ref) <= TOL and rel_err(ht, ht_ref) <= TOL, (rel_err(o, o_ref), rel_err(ht, ht_ref))

@@ -5,6 +5,8 @@ sequence is one row.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ..cp import intra
@@ -28,12 +30,20 @@ def _from_grid(grid: ChunkGrid, xc: torch.Tensor, batch: int) -> torch.Tensor:
     return x.reshape((batch, -1) + x.shape[1:])
 
 
+@functools.lru_cache(maxsize=64)
+def _grid_on(plan: SegmentPlan, num_tokens: int, device: torch.device) -> ChunkGrid:
+    """The plan's chunk grid with its token index already on `device`: built once per plan (a training
+    step reuses its pack), so a call does no host-side index work and no host-to-device copy."""
+    grid = runs_from_lengths(plan.starts, plan.lengths, num_tokens)
+    return ChunkGrid(grid.token_index.to(device), num_tokens)
+
+
 class _Prepared:
     """Grid, chunk inputs and per-sequence initial states of one call."""
 
     def __init__(self, q, k, v, g, beta, initial_state, plan: SegmentPlan):
         self.plan = plan
-        self.grid = runs_from_lengths(plan.starts, plan.lengths, q.shape[0] * q.shape[1])
+        self.grid = _grid_on(plan, q.shape[0] * q.shape[1], q.device)
         self.x = reference.to_chunk_inputs(self.grid, _flat(q), _flat(k), _flat(v), _flat(g), _flat(beta))
         dtype = self.x.q.dtype
         sequences = len(plan.first_rows)
