@@ -148,5 +148,4 @@ def install(monkeypatch):
             if hasattr(module, name):
                 monkeypatch.setattr(module, name, fake)
     monkeypatch.setattr(launch, "_sm_count", lambda index: 132)
-    monkeypatch.setattr(grid_walks, "_sm_count", lambda index: 132)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
