@@ -5,9 +5,7 @@
 # runs/pretrain_qwen_next/loss_curve.png. Extra arguments go to train_deepspeed.py.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PYTHON=${PYTHON:-python3}
-[ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
-.venv/bin/python -m pip install -q --disable-pip-version-check torch==2.13.0 -e '.[examples]' 2>&1 | { grep -v "is ignored" || true; }
+bash scripts/venv.sh examples
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
 .venv/bin/python examples/pretrain_qwen_next/train_deepspeed.py --size tiny --steps 200 \
     --save-dir runs/pretrain_qwen_next "$@"

@@ -5,9 +5,7 @@
 # GPU tests skip themselves without CUDA. Extra arguments go to the first pytest run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PYTHON=${PYTHON:-python3}
-[ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
-.venv/bin/python -m pip install -q --disable-pip-version-check torch==2.13.0 -e '.[test]' 2>&1 | { grep -v "is ignored" || true; }
+bash scripts/venv.sh test
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
 # one TileLang cache for the kernel compile test and the precompile test: each kernel compiles once
 export TILELANG_CACHE_DIR=${TILELANG_CACHE_DIR:-$PWD/.tilelang_cache}

@@ -45,6 +45,21 @@ def _qk_heads(num_qk, num_v):
     return torch.arange(num_v) // (num_v // num_qk)
 
 
+def _store(out, t0, rows, X):
+    """[H, C, ...] fp64 chunk result -> rows [t0, t0 + rows) of a [T, H, ...] output, in its dtype."""
+    out[t0:t0 + rows] = X[:, :rows].movedim(0, 1).to(out.dtype)
+
+
+def _start_state(states, n, use, Hv, D):
+    """The state (or state gradient) a walk starts sequence n from: rows n*Hv.. of `states`, or zeros."""
+    return states[n * Hv:(n + 1) * Hv].double() if use else torch.zeros(Hv, D, D, dtype=torch.float64)
+
+
+def _output(Q, K, S, Vn, gamma, Gamma, scale):
+    """O = scale (diag(gamma) Q S + (Gamma o Q K^T) V') of one chunk, [H, C, D]."""
+    return scale * (gamma[:, :, None] * (Q @ S) + (Gamma * (Q @ K.transpose(-1, -2))) @ Vn)
+
+
 def emulate_wy_inverse(k, beta, g, cu, offsets, v, Ab, gcum, w, u, chunk_slots, search_steps):
     Hv = v.shape[1]
     hk = _qk_heads(k.shape[1], Hv)
@@ -59,10 +74,9 @@ def emulate_wy_inverse(k, beta, g, cu, offsets, v, Ab, gcum, w, u, chunk_slots, 
         Gamma = (gc[:, :, None] - gc[:, None, :]).masked_fill(~lower, -torch.inf).exp()
         W = gc.exp()[:, :, None] * (A @ K)
         U = (Gamma * A) @ _rows(v, t0, n)
-        Ab[t0:t0 + n] = A[:, :n].movedim(0, 1).to(Ab.dtype)
         gcum[:, t0:t0 + n] = gc[:, :n].to(gcum.dtype)
-        w[t0:t0 + n] = W[:, :n].movedim(0, 1).to(w.dtype)
-        u[t0:t0 + n] = U[:, :n].movedim(0, 1).to(u.dtype)
+        for out, X in ((Ab, A), (w, W), (u, U)):
+            _store(out, t0, n, X)
 
 
 def emulate_chunk_states(k, w, u, gcum, cu, offsets, h0, h_out, vnew, ht, use_h0, store_ht, store_chunks, use_u):
@@ -71,7 +85,7 @@ def emulate_chunk_states(k, w, u, gcum, cu, offsets, h0, h_out, vnew, ht, use_h0
     S = None
     for n, c, t0, rows in _chunks(cu):
         if c == 0:
-            S = h0[n * Hv:(n + 1) * Hv].double() if use_h0 else torch.zeros(Hv, D, D, dtype=torch.float64)
+            S = _start_state(h0, n, use_h0, Hv, D)
         _, _, _, gamma_last, to_end = _gates(gcum, t0, rows)
         if store_chunks:
             h_out[offsets[n] + c] = S.to(h_out.dtype)
@@ -79,7 +93,7 @@ def emulate_chunk_states(k, w, u, gcum, cu, offsets, h0, h_out, vnew, ht, use_h0
         if use_u:
             Vn = Vn + _rows(u, t0, rows)
         if store_chunks:
-            vnew[t0:t0 + rows] = Vn[:, :rows].movedim(0, 1).to(vnew.dtype)
+            _store(vnew, t0, rows, Vn)
         K = _rows(k, t0, rows, hk)
         S = gamma_last[:, :, None] * S + K.transpose(-1, -2) @ (to_end[:, :, None] * Vn)
         if store_ht and t0 + rows == cu[n + 1]:
@@ -92,9 +106,7 @@ def emulate_chunk_output(q, k, vnew, gcum, h_in, cu, offsets, o, scale, search_s
     for n, c, t0, rows in _chunks(cu):
         _, gamma, Gamma, _, _ = _gates(gcum, t0, rows)
         Q, K = _rows(q, t0, rows, hk), _rows(k, t0, rows, hk)
-        S = h_in[offsets[n] + c].double()
-        O = scale * (gamma[:, :, None] * (Q @ S) + (Gamma * (Q @ K.transpose(-1, -2))) @ _rows(vnew, t0, rows))
-        o[t0:t0 + rows] = O[:, :rows].movedim(0, 1).to(o.dtype)
+        _store(o, t0, rows, _output(Q, K, h_in[offsets[n] + c].double(), _rows(vnew, t0, rows), gamma, Gamma, scale))
 
 
 def emulate_fused_fwd(q, k, v, Ab, gcum, cu, h0, o, ht, scale, use_h0, store_ht):
@@ -103,12 +115,11 @@ def emulate_fused_fwd(q, k, v, Ab, gcum, cu, h0, o, ht, scale, use_h0, store_ht)
     S = None
     for n, c, t0, rows in _chunks(cu):
         if c == 0:
-            S = h0[n * Hv:(n + 1) * Hv].double() if use_h0 else torch.zeros(Hv, D, D, dtype=torch.float64)
+            S = _start_state(h0, n, use_h0, Hv, D)
         _, gamma, Gamma, gamma_last, to_end = _gates(gcum, t0, rows)
         Q, K = _rows(q, t0, rows, hk), _rows(k, t0, rows, hk)
         Vn = (Gamma * _rows(Ab, t0, rows)) @ (_rows(v, t0, rows) - gamma[:, :, None] * (K @ S))
-        O = scale * (gamma[:, :, None] * (Q @ S) + (Gamma * (Q @ K.transpose(-1, -2))) @ Vn)
-        o[t0:t0 + rows] = O[:, :rows].movedim(0, 1).to(o.dtype)
+        _store(o, t0, rows, _output(Q, K, S, Vn, gamma, Gamma, scale))
         S = gamma_last[:, :, None] * S + K.transpose(-1, -2) @ (to_end[:, :, None] * Vn)
         if store_ht and t0 + rows == cu[n + 1]:
             ht[n * Hv:(n + 1) * Hv] = S.to(ht.dtype)
@@ -119,7 +130,7 @@ def emulate_chunk_dstates(q, k, w, dos, dvloc, gcum, cu, offsets, dht, dh_out, d
     hk = _qk_heads(q.shape[1], Hv)
     chunks = list(_chunks(cu))
     for n in range(cu.numel() - 1):
-        dS = dht[n * Hv:(n + 1) * Hv].double() if use_dht else torch.zeros(Hv, D, D, dtype=torch.float64)
+        dS = _start_state(dht, n, use_dht, Hv, D)
         for _, c, t0, rows in reversed([ch for ch in chunks if ch[0] == n]):
             assert rows == C, "chunk_dstates needs whole chunks"
             _, gamma, _, gamma_last, to_end = _gates(gcum, t0, rows)
@@ -171,5 +182,4 @@ def install(monkeypatch):
             if hasattr(module, name):
                 monkeypatch.setattr(module, name, fake)
     monkeypatch.setattr(launch, "_sm_count", lambda index: 132)
-    monkeypatch.setattr(grid_walks, "_sm_count", lambda index: 132)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)

@@ -132,7 +132,7 @@ def test_bad_cp_warmup(value, error):
 
 
 class TorchKernels:
-    """Stands in for flashqla.kernels.hopper (prepare / walk / output) with the torch backend, so the
+    """Stands in for flashqla.kernels.hopper (prepare / walk / summaries / output) with the torch backend, so the
     kernel-path CP composition runs on the CPU: a walk from h0 is a whole-sequence forward, U = 0 is V = 0
     (U = (Gamma o A) diag(beta) V), and the "per-chunk states" it hands to `output` are just h0."""
 
@@ -154,6 +154,14 @@ class TorchKernels:
         v = x.v if use_u else x.v.new_zeros(x.v.shape[:-1] + (x.k.shape[-1],))
         _, ht = self._forward(x, v, 1.0, h0, True)
         return (h0, None, ht if store_final else None) if store_chunks else (None, None, ht)
+
+    def summaries(self, x, with_transition):
+        _, _, S_star = self.walk(x, None, store_chunks=False)
+        if not with_transition:
+            return S_star, None
+        K = x.k.shape[-1]
+        eye = torch.eye(K, dtype=S_star.dtype).expand(x.cu.numel() - 1, x.v.shape[2], K, K)
+        return S_star, self.walk(x, eye, store_chunks=False, use_u=False)[2]
 
     def output(self, x, h, vnew, scale):
         return self._forward(x, x.v, scale, h, False)[0]

@@ -70,10 +70,7 @@ def segmented_forward(hopper, q, k, v, g, beta, scale, initial_state, output_fin
     packed = [x.reshape((1, B * T) + x.shape[2:]) for x in (q, k, v, g, beta)]
     # segments start on chunk boundaries of their sequence, so they chunk exactly like the sequences
     x = hopper.prepare(*packed, idx.cu)
-    _, _, S_star = hopper.walk(x, None, store_chunks=False)
-    rows = idx.cu.numel() - 1
-    eye = torch.eye(k.shape[-1], dtype=torch.float32, device=q.device).expand(rows, Hv, -1, -1)
-    _, _, M = hopper.walk(x, eye, store_chunks=False, use_u=False)
+    S_star, M = hopper.summaries(x, with_transition=True)
 
     exact = idx.has_prev[:, None].expand(-1, Hv).clone()
     if cp_warmup is not None:

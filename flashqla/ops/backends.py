@@ -94,16 +94,8 @@ def summary(name: str, q, k, v, g, beta, with_transition: bool):
     product). Shapes [1, Hv, K, V] and [1, Hv, K, K], fp32 (fp64 for fp64 inputs)."""
     if name == "tilelang":
         hopper, _ = _hopper_kernels()
-        x = hopper.prepare(q, k, v, g, beta, None)
-        _, _, S_star = hopper.walk(x, None, store_chunks=False)
-        M = None
-        if with_transition:
-            eye = torch.eye(k.shape[-1], dtype=torch.float32, device=q.device).expand(1, v.shape[2], -1, -1)
-            _, _, M = hopper.walk(x, eye, store_chunks=False, use_u=False)
-        return S_star, M
-    plan = torch_backend.make_plan(1, q.shape[1], None, 0)
-    _, S_star = torch_backend.forward(q, k, v, g, beta, 1.0, None, True, plan)
-    return S_star, torch_backend.transition_product(q, k, v, g, beta) if with_transition else None
+        return hopper.summaries(hopper.prepare(q, k, v, g, beta, None), with_transition)
+    return torch_backend.summary(q, k, v, g, beta, with_transition)
 
 
 def walks_for(name: str, dtype: torch.dtype):

@@ -131,8 +131,9 @@ def entering_state_gradient(q, k, v, g, beta, scale, do, walks=reference.Referen
     return dS0
 
 
-def transition_product(q, k, v, g, beta):
-    """M [1, Hv, K, K] of one whole sequence [1, T]: its end state is M S_start + S* (design doc §3)."""
-    grid = runs_from_lengths([0], [q.shape[1]], q.shape[1])
-    x = reference.to_chunk_inputs(grid, _flat(q), _flat(k), _flat(v), _flat(g), _flat(beta))
-    return reference.transition_product(x)
+def summary(q, k, v, g, beta, with_transition: bool):
+    """(S*, M or None) of one whole sequence [1, T] from one chunk grid: the state walk from zero and the
+    pairwise transition product (S_end = M S_start + S*, design doc §3); [1, Hv, K, V] and [1, Hv, K, K]."""
+    p = _Prepared(q, k, v, g, beta, None, make_plan(1, q.shape[1], None, 0))
+    _, _, S_star = reference.state_walk(p.x, p.S0_sequences, 1.0, with_output=False)  # fp32 (fp64 for fp64)
+    return S_star, reference.transition_product(p.x) if with_transition else None

@@ -15,9 +15,10 @@ from __future__ import annotations
 import torch
 
 from .grid_walks import KernelWalks
-from .launch import HEAD_DIM, block_v_for, chunk_gdn_fwd, output, prepare, walk
+from .launch import HEAD_DIM, block_v_for, chunk_gdn_fwd, output, prepare, summaries, walk
 
-__all__ = ["unsupported_reason", "chunk_gdn_fwd", "block_v_for", "KernelWalks", "prepare", "walk", "output"]
+__all__ = ["unsupported_reason", "chunk_gdn_fwd", "block_v_for", "KernelWalks", "prepare", "walk", "summaries",
+           "output"]
 
 _DTYPES = (torch.bfloat16, torch.float16)
 

@@ -14,18 +14,16 @@ from __future__ import annotations
 import torch
 
 from .launch import (
+    _TORCH_TO_TL,
     CHUNK,
     HEAD_DIM,
-    _sm_count,
-    block_v_for,
+    block_v_on,
     compiled_chunk_bwd_local,
     compiled_chunk_dstates,
     compiled_chunk_states,
 )
 
 BLOCK_CHUNKS = 64  # chunks per block of the host-side <S, dS> reduction
-
-_TORCH_TO_TL = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
 def _stream(xc: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -52,8 +50,7 @@ class KernelWalks:
         device = x.q.device
         cu = torch.arange(rows + 1, dtype=torch.int32, device=device) * (chunks * CHUNK)
         offsets = torch.arange(rows + 1, dtype=torch.int32, device=device) * chunks
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        return rows, chunks, Hv, cu, offsets, block_v_for(rows, Hv, _sm_count(index))
+        return rows, chunks, Hv, cu, offsets, block_v_on(device, rows, Hv)
 
     def _w_stream(self, x) -> torch.Tensor:
         """W = diag(gamma) A diag(beta) K per chunk (docs/algorithm.md W1) as a kernel stream, made once."""

@@ -165,10 +165,20 @@ def prepare(q, k, v, g, beta, cu_seqlens) -> ChunkedCall:
     return ChunkedCall(q3, k3, w, u, Ab, gcum, cu, offsets, chunk_slots, dtype)
 
 
-def _device_block_v(x: ChunkedCall) -> int:
-    device = x.q.device
+def block_v_on(device: torch.device, num_seqs: int, num_v_heads: int) -> int:
+    """block_v_for with the SM count of `device` (the current CUDA device when it has no index)."""
     index = device.index if device.index is not None else torch.cuda.current_device()
-    return block_v_for(x.num_seqs, x.num_v_heads, _sm_count(index))
+    return block_v_for(num_seqs, num_v_heads, _sm_count(index))
+
+
+def _state_buffers(x: ChunkedCall, h0, store_final: bool):
+    """(h0 argument, final-state tensor or None, its argument) of a walk over `x`: flattened to
+    [N * Hv, 128, 128] fp32, with a [1, 128, 128] placeholder where a flag says unused."""
+    N, Hv, device = x.num_seqs, x.num_v_heads, x.q.device
+    placeholder = torch.empty(1, HEAD_DIM, HEAD_DIM, dtype=torch.float32, device=device)
+    h0_arg = placeholder if h0 is None else h0.float().reshape(N * Hv, HEAD_DIM, HEAD_DIM).contiguous()
+    ht = torch.empty(N, Hv, HEAD_DIM, HEAD_DIM, dtype=torch.float32, device=device) if store_final else None
+    return h0_arg, ht, placeholder if ht is None else ht.view(N * Hv, HEAD_DIM, HEAD_DIM)
 
 
 def walk(x: ChunkedCall, h0=None, *, store_chunks=True, store_final=True, use_u=True):
@@ -177,18 +187,24 @@ def walk(x: ChunkedCall, h0=None, *, store_chunks=True, store_final=True, use_u=
     Returns (h [chunk_slots, Hv, 128, 128] | None, V' [T, Hv, 128] | None, final fp32 [N, Hv, 128, 128] | None).
     store_chunks=False is the state-only summary; use_u=False with h0 = I gives the transition products M.
     """
-    N, Hv, device = x.num_seqs, x.num_v_heads, x.q.device
-    placeholder = torch.empty(1, HEAD_DIM, HEAD_DIM, dtype=torch.float32, device=device)
-    h0_arg = placeholder if h0 is None else h0.float().reshape(N * Hv, HEAD_DIM, HEAD_DIM).contiguous()
-    ht = torch.empty(N, Hv, HEAD_DIM, HEAD_DIM, dtype=torch.float32, device=device) if store_final else None
+    h0_arg, ht, ht_arg = _state_buffers(x, h0, store_final)
     slots = x.chunk_slots if store_chunks else 1
-    h = torch.empty(slots, Hv, HEAD_DIM, HEAD_DIM, dtype=x.w.dtype, device=device)
+    h = torch.empty(slots, x.num_v_heads, HEAD_DIM, HEAD_DIM, dtype=x.w.dtype, device=x.q.device)
     vnew = torch.empty_like(x.w)  # allocator-cached; untouched when store_chunks is False
-    compiled_chunk_states(x.dtype, _device_block_v(x))(
-        x.k, x.w, x.u, x.gcum, x.cu, x.offsets, h0_arg, h, vnew,
-        placeholder if ht is None else ht.view(N * Hv, HEAD_DIM, HEAD_DIM),
+    compiled_chunk_states(x.dtype, block_v_on(x.q.device, x.num_seqs, x.num_v_heads))(
+        x.k, x.w, x.u, x.gcum, x.cu, x.offsets, h0_arg, h, vnew, ht_arg,
         int(h0 is not None), int(store_final), int(store_chunks), int(use_u))
     return (h, vnew, ht) if store_chunks else (None, None, ht)
+
+
+def summaries(x: ChunkedCall, with_transition: bool):
+    """(S*, M or None) of every sequence of `x`: S* from the zero state, and the transition product M as
+    the walk of U = 0 from S0 = I (S_end = M S_start + S*, design doc §3); fp32 [N, Hv, 128, 128]."""
+    _, _, S_star = walk(x, None, store_chunks=False)
+    if not with_transition:
+        return S_star, None
+    eye = torch.eye(HEAD_DIM, dtype=torch.float32, device=x.q.device).expand(x.num_seqs, x.num_v_heads, -1, -1)
+    return S_star, walk(x, eye, store_chunks=False, use_u=False)[2]
 
 
 def output(x: ChunkedCall, h, vnew, scale: float) -> torch.Tensor:
@@ -225,15 +241,11 @@ def chunk_gdn_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu
     if fused is None:
         fused = use_fused(x.num_seqs, x.num_v_heads)
     if fused:
-        N, Hv, device = x.num_seqs, x.num_v_heads, q.device
-        placeholder = torch.empty(1, HEAD_DIM, HEAD_DIM, dtype=torch.float32, device=device)
-        h0 = placeholder if initial_state is None else initial_state.view(N * Hv, HEAD_DIM, HEAD_DIM)
-        ht = torch.empty(N, Hv, HEAD_DIM, HEAD_DIM, dtype=torch.float32, device=device) if output_final_state else None
+        h0_arg, ht, ht_arg = _state_buffers(x, initial_state, output_final_state)
         o = torch.empty_like(x.w)
-        compiled_fused_fwd(x.dtype, _device_block_v(x))(
-            x.q, x.k, v.view(x.w.shape), x.Ab, x.gcum, x.cu, h0, o,
-            placeholder if ht is None else ht.view(N * Hv, HEAD_DIM, HEAD_DIM), float(scale),
-            int(initial_state is not None), int(ht is not None))
+        compiled_fused_fwd(x.dtype, block_v_on(q.device, x.num_seqs, x.num_v_heads))(
+            x.q, x.k, v.view(x.w.shape), x.Ab, x.gcum, x.cu, h0_arg, o, ht_arg, float(scale),
+            int(initial_state is not None), int(output_final_state))
         return o.view(v.shape), ht
     h, vnew, ht = walk(x, initial_state, store_final=output_final_state)
     return output(x, h, vnew, scale).view(v.shape), ht
