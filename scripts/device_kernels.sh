@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # One H200 session for the TileLang kernels: GPU tests, cold-compile time, forward and backward benchmarks.
-# Run from the repo root on the device machine with `.devsite` and `.tilelang_cache` carried; logs go to
-# $OUT. Usage: scripts/device_kernels.sh [tests|cold|bench|bwd|all] [extra bench_gdn.py arguments...]
+# Run from the repo root on the device machine with `.devsite` and `.devkernels` (or `.tilelang_cache`)
+# carried; logs go to $OUT. Usage: scripts/device_kernels.sh [tests|cold|bench|bwd|profile|all] [extra bench_gdn.py arguments...]
 #   tests: tests/gpu (first-call latency included: it starts fresh processes with empty JIT caches)
 #   bench: bench_gdn.py (pass e.g. --cp-sweep 32,64,128,256 --flashqla-configs none)
-#   bwd:   bench_bwd.py, flashqla vs FLA (FlashQLA's backward JIT-compiles for minutes: left out)
+#   profile: profile_gdn.py step (PROFILE_ARGS) and first-call in a fresh process on an empty cache
+#   bwd:   bench_bwd.py (BWD_ARGS, e.g. --quick), flashqla vs FLA (FlashQLA's backward JIT-compiles for minutes: left out)
 set -uo pipefail
 what=${1:-all}
 shift || true
@@ -12,7 +13,13 @@ OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT" /tmp/s
 tar xJf .devsite/site.tar.xz -C /tmp/s
 export PYTHONPATH=/tmp/s/site:$PWD PYTHONUNBUFFERED=1
-export TILELANG_CACHE_DIR=$PWD/.tilelang_cache
+# the bf16 kernels built on the CPU machine (scripts/pack_device_kernels.sh), else a carried .tilelang_cache
+if [[ -f .devkernels/kernels.tar.xz ]]; then
+  mkdir -p /tmp/tlc && tar xJf .devkernels/kernels.tar.xz -C /tmp/tlc && export TILELANG_CACHE_DIR=/tmp/tlc
+  export FLASHQLA_TEST_PREBUILT=${FLASHQLA_TEST_PREBUILT:-/tmp/tlc}
+else
+  export TILELANG_CACHE_DIR=${TILELANG_CACHE_DIR:-$PWD/.tilelang_cache}
+fi
 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >"$OUT/pip.log" 2>&1 || { cat "$OUT/pip.log"; exit 1; }
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv | tee "$OUT/gpu.txt"
 
@@ -43,6 +50,12 @@ if [[ $what == bench || $what == all ]]; then
 fi
 
 if [[ $what == bwd || $what == all ]]; then
-  timeout "${BWD_TIMEOUT:-300}" python3 benchmarks/bench_bwd.py --impls flashqla,fla --out "$OUT/benchmarks_bwd.md" 2>&1 \
+  timeout "${BWD_TIMEOUT:-300}" python3 benchmarks/bench_bwd.py --impls flashqla,fla ${BWD_ARGS:-} --out "$OUT/benchmarks_bwd.md" 2>&1 \
     | tee "$OUT/bench_bwd.log" | grep -v "^\s*$" | tail -40
+fi
+
+if [[ $what == profile || $what == all ]]; then
+  timeout 120 python3 benchmarks/profile_gdn.py step ${PROFILE_ARGS:-} 2>&1 | tee "$OUT/profile_step.log" | grep -v "^\s*$" | head -120
+  FLASHQLA_PREBUILT_KERNELS=$TILELANG_CACHE_DIR TILELANG_CACHE_DIR=/tmp/first_call_cache timeout 120 \
+    python3 benchmarks/profile_gdn.py first-call --top 45 2>&1 | tee "$OUT/profile_first_call.log" | head -80
 fi

@@ -60,7 +60,7 @@ def _output(Q, K, S, Vn, gamma, Gamma, scale):
     return scale * (gamma[:, :, None] * (Q @ S) + (Gamma * (Q @ K.transpose(-1, -2))) @ Vn)
 
 
-def emulate_wy_inverse(k, beta, g, cu, offsets, v, Ab, gcum, w, u, chunk_slots, search_steps):
+def emulate_wy_inverse(k, beta, g, cu, offsets, v, Ab, gcum, w, u, chunk_slots, search_steps, store_a):
     Hv = v.shape[1]
     hk = _qk_heads(k.shape[1], Hv)
     for _, _, t0, n in _chunks(cu):
@@ -69,13 +69,14 @@ def emulate_wy_inverse(k, beta, g, cu, offsets, v, Ab, gcum, w, u, chunk_slots, 
         gc = _rows(g, t0, n).cumsum(-1)
         L = torch.tril(b[:, :, None] * (K @ K.transpose(-1, -2)), -1)
         eye = torch.eye(C, dtype=torch.float64).expand_as(L)
-        A = torch.linalg.solve_triangular(eye + L, eye, upper=False, unitriangular=True) * b[:, None, :]
+        A = torch.linalg.solve_triangular(eye + L, eye, upper=False, unitriangular=True)
+        A_beta = A * b[:, None, :]
         lower = torch.ones(C, C, dtype=torch.bool).tril()
         Gamma = (gc[:, :, None] - gc[:, None, :]).masked_fill(~lower, -torch.inf).exp()
-        W = gc.exp()[:, :, None] * (A @ K)
-        U = (Gamma * A) @ _rows(v, t0, n)
+        W = gc.exp()[:, :, None] * (A_beta @ K)
+        U = (Gamma * A_beta) @ _rows(v, t0, n)
         gcum[:, t0:t0 + n] = gc[:, :n].to(gcum.dtype)
-        for out, X in ((Ab, A), (w, W), (u, U)):
+        for out, X in ((Ab, A if store_a else A_beta), (w, W), (u, U)):
             _store(out, t0, n, X)
 
 
@@ -125,27 +126,44 @@ def emulate_fused_fwd(q, k, v, Ab, gcum, cu, h0, o, ht, scale, use_h0, store_ht)
             ht[n * Hv:(n + 1) * Hv] = S.to(ht.dtype)
 
 
-def emulate_chunk_dstates(q, k, w, dos, dvloc, gcum, cu, offsets, dht, dh_out, dh0, use_dht, store_dh0):
+def emulate_chunk_dstates(q, k, w, dos, gcum, cu, offsets, dht, dh_out, dh0, use_dht, store_dh0):
     Hv, D = w.shape[1], w.shape[2]
     hk = _qk_heads(q.shape[1], Hv)
     chunks = list(_chunks(cu))
     for n in range(cu.numel() - 1):
         dS = _start_state(dht, n, use_dht, Hv, D)
         for _, c, t0, rows in reversed([ch for ch in chunks if ch[0] == n]):
-            assert rows == C, "chunk_dstates needs whole chunks"
-            _, gamma, _, gamma_last, to_end = _gates(gcum, t0, rows)
+            _, gamma, Gamma, gamma_last, to_end = _gates(gcum, t0, rows)
+            Q, K, dOs = _rows(q, t0, rows, hk), _rows(k, t0, rows, hk), _rows(dos, t0, rows)
             dh_out[offsets[n] + c] = dS.to(dh_out.dtype)
-            X = _rows(dvloc, t0, rows) + to_end[:, :, None] * (_rows(k, t0, rows, hk) @ dS)
-            dOg = gamma[:, :, None] * _rows(dos, t0, rows)
-            dS = (gamma_last[:, :, None] * dS + _rows(q, t0, rows, hk).transpose(-1, -2) @ dOg
+            P = Gamma * (Q @ K.transpose(-1, -2))
+            X = P.transpose(-1, -2) @ dOs + to_end[:, :, None] * (K @ dS)
+            dS = (gamma_last[:, :, None] * dS + Q.transpose(-1, -2) @ (gamma[:, :, None] * dOs)
                   - _rows(w, t0, rows).transpose(-1, -2) @ X)
         if store_dh0:
             dh0[n * Hv:(n + 1) * Hv] = dS.to(dh0.dtype)
 
 
+def emulate_chunk_bwd_local(q, k, v, dos, A, gcum, beta, h, dh, cu, offsets, dq, dk, dv, dg, dbeta, search_steps):
+    """reference.chunk_backward per chunk on its zero-padded rows (the kernel's masking), dg summed."""
+    from flashqla.ops import reference
+
+    hk = _qk_heads(q.shape[1], v.shape[1])
+    for n, c, t0, rows in _chunks(cu):
+        one = lambda t, heads=None: _rows(t, t0, rows, heads)[None, None]  # noqa: E731  [1, 1, Hv, C, ...]
+        gc = _gates(gcum, t0, rows)[0][None, None]
+        x = reference.ChunkInputs(one(q, hk), one(k, hk), one(v), gc, one(beta), one(A), reference.decay_factors(gc))
+        b = reference.backward_terms(x, one(dos), 1.0)
+        slot = offsets[n] + c
+        gq, gk, gv, ggc, gbeta = reference.chunk_backward(x, b, h[slot].double()[None, None], dh[slot].double()[None, None])
+        for out, grad in ((dq, gq), (dk, gk), (dv, gv), (dbeta, gbeta)):
+            _store(out, t0, rows, grad[0, 0])
+        dg[:, t0:t0 + rows] = reference.gate_gradient(ggc)[0, 0, :, :rows].to(dg.dtype)
+
+
 def install(monkeypatch):
     """Replace every compiled kernel (and the SM count query) of flashqla.kernels.hopper by the emulators."""
-    from flashqla.kernels.hopper import grid_walks, launch
+    from flashqla.kernels.hopper import backward, grid_walks, launch
 
     kernels = {
         "compiled_wy_inverse": lambda dtype: emulate_wy_inverse,
@@ -153,8 +171,9 @@ def install(monkeypatch):
         "compiled_chunk_output": lambda dtype: emulate_chunk_output,
         "compiled_fused_fwd": lambda dtype, block_v: emulate_fused_fwd,
         "compiled_chunk_dstates": lambda dtype, block_v: emulate_chunk_dstates,
+        "compiled_chunk_bwd_local": lambda dtype: emulate_chunk_bwd_local,
     }
-    for module in (launch, grid_walks):
+    for module in (launch, grid_walks, backward):
         for name, fake in kernels.items():
             if hasattr(module, name):
                 monkeypatch.setattr(module, name, fake)

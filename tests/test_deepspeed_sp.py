@@ -211,6 +211,15 @@ def check_refusals(world, mpu, group):
     with pytest.raises(ValueError, match="without cp_context"):
         layer[0](torch.randn(1, TOKENS // world, 32))
 
+    # a dense model (no MoE block to mark as a ZeRO-3 leaf; DeepSpeed refuses absent leaf classes)
+    from transformers import Qwen3NextForCausalLM
+
+    dense_config = tiny_config()
+    dense_config.num_experts = 0
+    dense = Qwen3NextForCausalLM(dense_config)
+    fds.enable_gdn_sequence_parallel(dense, mpu)
+    fds.initialize(model=dense, config=ds_config(3), mpu=mpu, optimizer=torch.optim.SGD(dense.parameters(), lr=LR))
+
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("world", [2, 4])

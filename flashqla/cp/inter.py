@@ -156,8 +156,8 @@ class InterCardCPFunction(torch.autograd.Function):
         for piece in cp.pieces:
             if piece.last_seq_continues:
                 dht[cp.last_sequence_of(piece)] = X[piece.index]
-        dq, dk, dv, dg, dbeta, _ = torch_backend.backward(q, k, v, g, beta, scale, initial_state, plan, do, dht, warmup,
-                                                          walks)
+        call = backends.Call(q, k, v, g, beta, initial_state, cp.cu_seqlens)
+        dq, dk, dv, dg, dbeta, _ = backends.backward(ctx.backend, call, scale, plan, warmup, do, dht)
         return dq, dk, dv, dg, dbeta, None, None, None, None, None
 
 

@@ -80,9 +80,10 @@ def initialize(model: torch.nn.Module, config, mpu=None, sequence_parallel_group
             raise ValueError("config: ZeRO-3 with sequence parallelism needs zero_optimization.reduce_scatter = "
                              "false (DeepSpeed's reduce-scatter path divides the gradients by the SP size)")
         config = {**config, "zero_optimization": {**zero, "reduce_scatter": False}}
-    if int(zero.get("stage", 0)) == 3:
+    leaves = [cls for cls in zero3_leaf_classes() if any(isinstance(m, cls) for m in model.modules())]
+    if int(zero.get("stage", 0)) == 3 and leaves:  # DeepSpeed refuses classes the model lacks (dense models)
         from deepspeed.utils import set_z3_leaf_modules
 
-        set_z3_leaf_modules(model, zero3_leaf_classes())
+        set_z3_leaf_modules(model, leaves)
     skip_cpu_shm_build()
     return deepspeed.initialize(model=model, config=config, mpu=mpu, **kwargs)

@@ -107,8 +107,12 @@ def walks_for(name: str, dtype: torch.dtype):
 
 
 def backward(name: str, call: Call, scale: float, plan, cp_warmup, do, dht):
-    # Every backend differentiates through the reference chunked backward (states recomputed from the
-    # inputs); on "tilelang" its two serial walks run as kernels, the chunk-local math in torch.
+    # Unsegmented calls on "tilelang" run the kernels' backward on the token layout (states recomputed
+    # from the inputs); segmented ones, and "torch", the reference chunked backward on the chunk grid,
+    # with the kernels (KernelWalks) doing its walks and chunk-local gradients on "tilelang".
     c = call
+    if name == "tilelang" and not plan.is_segmented:
+        hopper, _ = _hopper_kernels()
+        return hopper.chunk_gdn_bwd(c.q, c.k, c.v, c.g, c.beta, scale, c.initial_state, c.cu_seqlens, do, dht)
     return torch_backend.backward(c.q, c.k, c.v, c.g, c.beta, scale, c.initial_state, plan, do, dht, cp_warmup,
                                   walks_for(name, c.q.dtype))

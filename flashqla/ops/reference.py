@@ -202,6 +202,11 @@ class ReferenceWalks:
         return reverse_walk(x, b, dS_final)
 
 
+def gate_gradient(dgc: torch.Tensor) -> torch.Tensor:
+    """dg from dgc on the grid: gc = cumsum(g) inside each chunk, so dg is the reverse cumsum of dgc."""
+    return dgc.flip(-1).cumsum(-1).flip(-1)
+
+
 def chunk_backward_in_blocks(x: ChunkInputs, b: BackwardTerms, S_in: torch.Tensor, dS_out: torch.Tensor,
                              block_chunks: int):
     """chunk_backward over blocks of `block_chunks` chunks: the same gradients, with the temporaries of

@@ -97,9 +97,11 @@ def backward(q, k, v, g, beta, scale, initial_state, plan: SegmentPlan, do, dht,
     else:
         dS_final = dS_sequences
     dS_out, dS0 = walks.state_gradients(x, b, dS_final)
-    dq, dk, dv, dgc, dbeta = reference.chunk_backward_in_blocks(x, b, S_in, dS_out, block_chunks)
-    # gc = cumsum(g) inside each chunk, so dg is the reverse cumsum of dgc
-    dg = dgc.flip(-1).cumsum(-1).flip(-1)
+    if hasattr(walks, "chunk_gradients"):  # the kernels' chunk-local backward (dg already summed)
+        dq, dk, dv, dg, dbeta = walks.chunk_gradients(x, b, S_in, dS_out)
+    else:
+        dq, dk, dv, dgc, dbeta = reference.chunk_backward_in_blocks(x, b, S_in, dS_out, block_chunks)
+        dg = reference.gate_gradient(dgc)
 
     B, Hqk = q.shape[0], q.shape[2]
 

@@ -6,18 +6,20 @@ Dispatch contract (flashqla/ops/backends.py):
 
 Forward, three launches: `wy_inverse` (W, U and the chunk-local cumsum of g, per chunk and v-head),
 `chunk_states` (the serial state walk per sequence, v-head and V tile), `chunk_output` (all chunks at
-once). Backward: `KernelWalks` runs its two serial walks (`chunk_states`, `chunk_dstates`) on the
-reference's chunk grid; the chunk-local gradient math stays in torch. Nothing here imports
+once). Backward (`chunk_gdn_bwd`, backward.py): `wy_inverse` and `chunk_states` again, the reverse walk
+`chunk_dstates`, then `chunk_bwd_local` (every chunk's gradients at once). Intra-card CP segments run the
+backward on the reference's chunk grid with the same kernels (`KernelWalks`). Nothing here imports
 tilelang or touches CUDA at import time; kernels compile on first use (or load from TileLang's cache).
 """
 from __future__ import annotations
 
 import torch
 
+from .backward import chunk_gdn_bwd
 from .grid_walks import KernelWalks
 from .launch import HEAD_DIM, block_v_for, chunk_gdn_fwd, output, prepare, summaries, walk
 
-__all__ = ["unsupported_reason", "chunk_gdn_fwd", "block_v_for", "KernelWalks", "prepare", "walk", "summaries",
+__all__ = ["unsupported_reason", "chunk_gdn_fwd", "chunk_gdn_bwd", "block_v_for", "KernelWalks", "prepare", "walk", "summaries",
            "output"]
 
 _DTYPES = (torch.bfloat16, torch.float16)

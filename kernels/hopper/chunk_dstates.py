@@ -1,17 +1,19 @@
 """Reverse state-gradient walk: the only serial part of the GDN backward (docs/algorithm.md B1-B3).
 
-With W = diag(gamma) A diag(beta) K (so (gamma K)^T dVd = W^T dV'), the local term dV'_loc =
-(Gamma o Q K^T)^T dOs computed for all chunks beforehand, and dOs = scale dO, one chunk in reverse is
+With W = diag(gamma) A diag(beta) K (so (gamma K)^T dVd = W^T dV') and dOs = scale dO, one chunk in
+reverse is
 
-    dV' = dV'_loc + diag(gamma_last / gamma) K dS
+    dV' = (Gamma o Q K^T)^T dOs + diag(gamma_last / gamma) K dS
     dS  = gamma_last dS + (diag(gamma) Q)^T dOs - W^T dV'
 
 One CTA per (V tile, sequence, v-head) walks its chunks from the last to the first, dS [128 x block_v]
 in fp32 fragments, writing per chunk the gradient of the state leaving it (`dh`, input dtype, at the
-chunk's global index) and at the end dS0, the gradient of the initial state.
+chunk's slot chunk_offsets[n] + c) and at the end dS0, the gradient of the initial state. The local term
+(Gamma o Q K^T)^T dOs needs no state, so its Q K^T product is off the serial chain.
 
-Every sequence must be a whole number of chunks: the backward runs this kernel on the reference's chunk
-grid (flashqla/ops/layout.py) laid out as a token stream, where padding slots are zero (identity steps).
+Sequences of any length: in a sequence's last, partial chunk the gates past its end repeat the last
+one (factor 1) and the rows past its end are masked out of P, dOs and dV' (they hold the next
+sequence's tokens, or zeros past the tensor end: the tile copies are bounds-checked).
 """
 import tilelang.language as T
 
@@ -35,26 +37,35 @@ def build_chunk_dstates(dtype: str, block_v: int):
     C, D, BV = CHUNK, HEAD_DIM, block_v
 
     @T.macro
-    def load_chunk(q, k, w, dos, dvloc, gcum, t0, hk, h, v0, Q_s, K_s, W_s, dO_s, dVl_s, graw_s):
+    def load_chunk(q, k, w, dos, gcum, t0, hk, h, v0, Q_s, K_s, W_s, dO_s, graw_s):
         T.async_copy(q[t0:t0 + C, hk, 0:D], Q_s)
         T.async_copy(k[t0:t0 + C, hk, 0:D], K_s)
         T.async_copy(w[t0:t0 + C, h, 0:D], W_s)
         T.async_copy(dos[t0:t0 + C, h, v0:v0 + BV], dO_s)
-        T.async_copy(dvloc[t0:t0 + C, h, v0:v0 + BV], dVl_s)
         T.async_copy(gcum[h, t0:t0 + C], graw_s)
 
     @T.macro
-    def chunk_step(dh_out, chunk_index, h, v0, Q_s, K_s, W_s, dO_s, dVl_s, graw_s, gc_sh, dS_sh, X_sh, dOg_sh, dS,
-                   KdS):
+    def chunk_step(dh_out, chunk_index, n_rows, h, v0, Q_s, K_s, W_s, dO_s, graw_s, gc_sh, dS_sh, X_sh, dOg_sh,
+                   P_sh, dS, KdS, P):
+        last = n_rows - 1
         for r in T.Parallel(C):
-            gc_sh[r] = graw_s[r] * LOG2E
+            gc_sh[r] = graw_s[T.min(r, last)] * LOG2E
         T.copy(dS_sh, dh_out[chunk_index, h, 0:D, v0:v0 + BV])
 
-        # dV' = dV'_loc + diag(gamma_last / gamma) K dS, kept negated for the W^T product
+        # P = Gamma o Q K^T over the rows that exist (no state: off the serial chain)
+        T.gemm(Q_s, K_s, P, transpose_B=True, clear_accum=True)
+        for r, s in T.Parallel(C, C):
+            P_sh[r, s] = T.if_then_else(r < n_rows, T.if_then_else(r >= s, P[r, s] * T.exp2(gc_sh[r] - gc_sh[s]), 0.0),
+                                        0.0)
+
+        # dV' = P^T dOs + diag(gamma_last / gamma) K dS, kept negated for the W^T product
         T.gemm(K_s, dS_sh, KdS, clear_accum=True)
         for r, j in T.Parallel(C, BV):
-            X_sh[r, j] = -(dVl_s[r, j] + T.exp2(gc_sh[C - 1] - gc_sh[r]) * KdS[r, j])
-            dOg_sh[r, j] = dO_s[r, j] * T.exp2(gc_sh[r])
+            KdS[r, j] = KdS[r, j] * T.exp2(gc_sh[C - 1] - gc_sh[r])
+        T.gemm(P_sh, dO_s, KdS, transpose_A=True)
+        for r, j in T.Parallel(C, BV):
+            X_sh[r, j] = T.if_then_else(r < n_rows, -KdS[r, j], 0.0)
+            dOg_sh[r, j] = T.if_then_else(r < n_rows, dO_s[r, j] * T.exp2(gc_sh[r]), 0.0)
 
         # dS = gamma_last dS + (gamma Q)^T dOs - W^T dV'
         for i, j in T.Parallel(D, BV):
@@ -69,7 +80,6 @@ def build_chunk_dstates(dtype: str, block_v: int):
         k: T.Tensor((num_tokens, num_qk_heads, D), dtype),
         w: T.Tensor((num_tokens, num_v_heads, D), dtype),
         dos: T.Tensor((num_tokens, num_v_heads, D), dtype),
-        dvloc: T.Tensor((num_tokens, num_v_heads, D), dtype),
         gcum: T.Tensor((num_v_heads, num_tokens), "float32"),
         cu_seqlens: T.Tensor((num_seqs + 1,), "int32"),
         chunk_offsets: T.Tensor((num_seqs + 1,), "int32"),
@@ -94,14 +104,15 @@ def build_chunk_dstates(dtype: str, block_v: int):
             K0, K1 = T.alloc_shared((C, D), dtype), T.alloc_shared((C, D), dtype)
             W0, W1 = T.alloc_shared((C, D), dtype), T.alloc_shared((C, D), dtype)
             dO0, dO1 = T.alloc_shared((C, BV), dtype), T.alloc_shared((C, BV), dtype)
-            dVl0, dVl1 = T.alloc_shared((C, BV), dtype), T.alloc_shared((C, BV), dtype)
             graw0, graw1 = T.alloc_shared((C,), "float32"), T.alloc_shared((C,), "float32")
             gc_sh = T.alloc_shared((C,), "float32")
             dS_sh = T.alloc_shared((D, BV), dtype)
             X_sh = T.alloc_shared((C, BV), dtype)
             dOg_sh = T.alloc_shared((C, BV), dtype)
+            P_sh = T.alloc_shared((C, C), dtype)
             dS = T.alloc_fragment((D, BV), "float32")
             KdS = T.alloc_fragment((C, BV), "float32")
+            P = T.alloc_fragment((C, C), "float32")
 
             if use_dht != 0:
                 T.copy(dht[state_row, 0:D, v0:v0 + BV], dS)
@@ -109,31 +120,30 @@ def build_chunk_dstates(dtype: str, block_v: int):
                 T.clear(dS)
             T.copy(dS, dS_sh)
             last_t0 = bos + (num_chunks - 1) * C
-            load_chunk(q, k, w, dos, dvloc, gcum, last_t0, hk, h, v0, Q0, K0, W0, dO0, dVl0, graw0)
+            load_chunk(q, k, w, dos, gcum, last_t0, hk, h, v0, Q0, K0, W0, dO0, graw0)
 
             for i in T.serial(num_chunks):
                 c = num_chunks - 1 - i
                 chunk_index = chunk_offsets[n] + c
+                n_rows = T.min(C, eos - bos - c * C)  # < C only in the last chunk (i == 0)
                 if i % 2 == 0:
                     if i + 1 < num_chunks:
-                        load_chunk(q, k, w, dos, dvloc, gcum, bos + (c - 1) * C, hk, h, v0, Q1, K1, W1, dO1, dVl1,
-                                   graw1)
-                        T.ptx_wait_group(6)
+                        load_chunk(q, k, w, dos, gcum, bos + (c - 1) * C, hk, h, v0, Q1, K1, W1, dO1, graw1)
+                        T.ptx_wait_group(5)
                     else:
                         T.ptx_wait_group(0)
                     T.sync_threads()
-                    chunk_step(dh_out, chunk_index, h, v0, Q0, K0, W0, dO0, dVl0, graw0, gc_sh, dS_sh, X_sh, dOg_sh,
-                               dS, KdS)
+                    chunk_step(dh_out, chunk_index, n_rows, h, v0, Q0, K0, W0, dO0, graw0, gc_sh, dS_sh, X_sh,
+                               dOg_sh, P_sh, dS, KdS, P)
                 else:
                     if i + 1 < num_chunks:
-                        load_chunk(q, k, w, dos, dvloc, gcum, bos + (c - 1) * C, hk, h, v0, Q0, K0, W0, dO0, dVl0,
-                                   graw0)
-                        T.ptx_wait_group(6)
+                        load_chunk(q, k, w, dos, gcum, bos + (c - 1) * C, hk, h, v0, Q0, K0, W0, dO0, graw0)
+                        T.ptx_wait_group(5)
                     else:
                         T.ptx_wait_group(0)
                     T.sync_threads()
-                    chunk_step(dh_out, chunk_index, h, v0, Q1, K1, W1, dO1, dVl1, graw1, gc_sh, dS_sh, X_sh, dOg_sh,
-                               dS, KdS)
+                    chunk_step(dh_out, chunk_index, n_rows, h, v0, Q1, K1, W1, dO1, graw1, gc_sh, dS_sh, X_sh,
+                               dOg_sh, P_sh, dS, KdS, P)
                 T.sync_threads()
 
             if store_dh0 != 0:

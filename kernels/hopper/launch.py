@@ -71,6 +71,15 @@ def compiled_chunk_dstates(dtype: str, block_v: int):
                           target=TARGET, pass_configs=_pass_configs())
 
 
+@functools.lru_cache(maxsize=None)
+def compiled_chunk_bwd_local(dtype: str):
+    """The compiled chunk-local backward (chunk_bwd_local.py) for `dtype`."""
+    from .chunk_bwd_local import build_chunk_bwd_local
+
+    return compile_kernel(build_chunk_bwd_local(dtype), f"chunk_bwd_local({dtype})", target=TARGET,
+                          pass_configs=_pass_configs())
+
+
 def kernel_configs(dtypes=KERNEL_DTYPES):
     """Every (kernel, args) pair dispatch can choose for TileLang dtypes `dtypes`: what a build machine compiles.
 
@@ -80,6 +89,7 @@ def kernel_configs(dtypes=KERNEL_DTYPES):
     for dtype in dtypes:
         yield compiled_wy_inverse, (dtype,)
         yield compiled_chunk_output, (dtype,)
+        yield compiled_chunk_bwd_local, (dtype,)
         for block_v in BLOCK_V_CHOICES:
             yield compiled_fused_fwd, (dtype, block_v)
             yield compiled_chunk_states, (dtype, block_v)
@@ -115,7 +125,7 @@ class ChunkedCall:
     k: torch.Tensor
     w: torch.Tensor  # [T, Hv, 128]  W = diag(gamma) A diag(beta) K
     u: torch.Tensor  # [T, Hv, 128]  U = (Gamma o A) diag(beta) V
-    Ab: torch.Tensor  # [T, Hv, 64]  A diag(beta) (the fused kernel's operand)
+    Ab: torch.Tensor  # [T, Hv, 64]  A diag(beta) (the fused kernel's operand); A itself when store_a
     gcum: torch.Tensor  # [Hv, T] fp32 chunk-local cumulative gate (natural log)
     cu: torch.Tensor  # int32 [N + 1]
     offsets: torch.Tensor  # int32 [N + 1] first chunk slot of every sequence
@@ -131,8 +141,10 @@ class ChunkedCall:
         return self.w.shape[1]
 
 
-def prepare(q, k, v, g, beta, cu_seqlens) -> ChunkedCall:
-    """wy_inverse over every chunk of q, k [B, T, Hqk, 128], v [B, T, Hv, 128], g, beta [B, T, Hv]."""
+def prepare(q, k, v, g, beta, cu_seqlens, store_a: bool = False) -> ChunkedCall:
+    """wy_inverse over every chunk of q, k [B, T, Hqk, 128], v [B, T, Hv, 128], g, beta [B, T, Hv].
+
+    store_a: `Ab` holds A without beta (what the backward's chunk-local gradients need)."""
     B, T, Hqk, _ = q.shape
     Hv = v.shape[2]
     device = q.device
@@ -151,7 +163,7 @@ def prepare(q, k, v, g, beta, cu_seqlens) -> ChunkedCall:
     w = torch.empty(B * T, Hv, HEAD_DIM, dtype=q.dtype, device=device)
     u = torch.empty_like(w)
     compiled_wy_inverse(dtype)(k3, beta.view(B * T, Hv).float(), g.view(B * T, Hv), cu, offsets,
-                               v.view(B * T, Hv, HEAD_DIM), Ab, gcum, w, u, chunk_slots, N.bit_length())
+                               v.view(B * T, Hv, HEAD_DIM), Ab, gcum, w, u, chunk_slots, N.bit_length(), int(store_a))
     return ChunkedCall(q3, k3, w, u, Ab, gcum, cu, offsets, chunk_slots, dtype)
 
 

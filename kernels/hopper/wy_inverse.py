@@ -9,7 +9,9 @@ For every 64-token chunk of every packed sequence and every v-head h (reading k-
                                                                        stored head-major [Hv, T]
 
 Ab, W and U are stored in the input dtype. diag(beta) is folded into the columns of A because the
-forward only ever uses A diag(beta), and the gate factor Gamma commutes with that column scaling.
+forward only ever uses A diag(beta), and the gate factor Gamma commutes with that column scaling. The
+backward needs A itself (its dbeta and dA terms, chunk_bwd_local.py): with the runtime flag `store_a`
+the `Ab` output holds A = (I + StrictLower(diag(beta) K K^T))^{-1} instead (W and U are unchanged).
 The inverse needs no exp; the gates enter only W and U (exp2 of base-2 differences, each <= 0).
 
 Chunks never straddle sequences. CTA c of the grid finds its sequence by binary search in
@@ -56,6 +58,7 @@ def build_wy_inverse(dtype: str):
         u: T.Tensor((num_tokens, num_v_heads, D), dtype),
         num_chunk_slots: T.int32,
         search_steps: T.int32,
+        store_a: T.int32,
     ):
         with T.Kernel(num_chunk_slots, num_v_heads, threads=128) as (chunk, h):
             hk = h // (num_v_heads // num_qk_heads)
@@ -151,14 +154,14 @@ def build_wy_inverse(dtype: str):
             for r, c in T.Parallel(32, 32):
                 X_sh[32 + r, c] = -out32[r, c]
 
-            # --- Ab = X diag(beta), rows that exist --------------------------------------------------
+            # --- Ab = X diag(beta) (or A = X for the backward), rows that exist ---------------------
             for r, s in T.Parallel(C, C):
                 Ab_sh[r, s] = T.cast(X_sh[r, s] * beta_sh[s], dtype)
                 GAb_sh[r, s] = T.if_then_else(
                     r >= s, T.cast(X_sh[r, s] * beta_sh[s] * T.exp2((g_sh[r] - g_sh[s]) * LOG2E), dtype),
                     T.cast(0, dtype))
                 if r < n_rows:
-                    Ab[start + r, h, s] = T.cast(X_sh[r, s] * beta_sh[s], dtype)
+                    Ab[start + r, h, s] = T.cast(X_sh[r, s] * T.if_then_else(store_a != 0, 1.0, beta_sh[s]), dtype)
 
             # --- W = diag(gamma) Ab K  (Gamma_rs gamma_s = gamma_r),  U = (Gamma o Ab) V -------------
             T.gemm(Ab_sh, K_sh, WU, clear_accum=True)

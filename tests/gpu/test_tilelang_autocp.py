@@ -22,9 +22,15 @@ def test_forced_segments_on_a_varlen_pack_match_recurrence(cp_warmup):
     call = make_call([1000, 65, 1, 2030], 2, 8, seed=3)
     o, ht = op(call, intra_cp=4, cp_warmup=cp_warmup)
     o_ref, ht_ref = reference(call)
-    assert rel_err(o, o_ref) <= TOL and rel_err(ht, ht_ref) <= TOL, (rel_err(o, o_ref), rel_err(ht, ht_ref))
     o_plain, _ = op(call, intra_cp="off")
-    assert rel_err(o, o_plain.double()) <= TOL
+    print(f"\nsegmented vs recurrence o {rel_err(o, o_ref):.2e} ht {rel_err(ht, ht_ref):.2e}; unsegmented vs recurrence "
+          f"o {rel_err(o_plain, o_ref):.2e}; segmented vs unsegmented o {rel_err(o, o_plain.double()):.2e}")
+    assert rel_err(o, o_ref) <= TOL and rel_err(ht, ht_ref) <= TOL, (rel_err(o, o_ref), rel_err(ht, ht_ref))
+    # Segmenting must not cost accuracy. Both bf16 results carry ~4e-3 of independent rounding (H200,
+    # 2026-11-30: 3.87e-3 and 3.83e-3 against the recurrence, 5.2e-3 apart), so comparing them with each
+    # other measures that noise twice; compare their errors against the float64 recurrence instead
+    # (warmup's own approximation is below e^-10 of the state).
+    assert rel_err(o, o_ref) <= 1.1 * rel_err(o_plain, o_ref) + 1e-4, (rel_err(o, o_ref), rel_err(o_plain, o_ref))
 
 
 def test_auto_plan_segments_one_long_sequence_at_tp8_and_matches_recurrence():

@@ -1,0 +1,79 @@
+"""Where the time of one flashqla call goes, on the GPU: per-kernel CUDA time and host time.
+
+    python benchmarks/profile_gdn.py step [--heads 16,32] [--tokens 32768] [--seqs 1] [--top 30]
+    python benchmarks/profile_gdn.py first-call [--top 40]
+
+`step`: torch.profiler over a few warm fwd+bwd calls; prints the CUDA kernels by total time (one table for
+the forward alone, one for fwd+bwd) and the host wall time per call, to find the stage to work on next.
+`first-call`: cProfile of the first fwd+bwd in this (fresh) process, sorted by cumulative time: run with
+an empty TILELANG_CACHE_DIR and FLASHQLA_PREBUILT_KERNELS pointing at a prebuilt tree to see what the
+first call of a user's process spends (issue 12).
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from bench_gdn import make_inputs
+
+
+def _call(inputs):
+    import flashqla
+
+    q, k, v, g, beta, cu = inputs
+    leaves = [t.detach().requires_grad_(True) for t in (q, k, v, g, beta)]
+    o, _ = flashqla.chunk_gated_delta_rule(*leaves, cu_seqlens=cu, backend="tilelang", intra_cp="off")
+    return o
+
+
+def profile_step(args):
+    Hqk, Hv = map(int, args.heads.split(","))
+    inputs = make_inputs(Hqk, Hv, [args.tokens // args.seqs] * args.seqs)
+    do = torch.randn_like(inputs[2])
+    for _ in range(2):
+        _call(inputs).backward(do)
+    torch.cuda.synchronize()
+    for label, fn in [("forward", lambda: _call(inputs)), ("fwd+bwd", lambda: _call(inputs).backward(do))]:
+        reps = 3
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            start = time.perf_counter()
+            for _ in range(reps):
+                fn()
+            torch.cuda.synchronize()
+            wall_ms = (time.perf_counter() - start) * 1e3 / reps
+        print(f"\n=== ({Hqk},{Hv}) {args.tokens} tokens x{args.seqs}: {label}, {wall_ms:.2f} ms wall per call "
+              f"(profiler on) ===")
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=args.top, max_name_column_width=60))
+
+
+def profile_first_call(args):
+    inputs = make_inputs(8, 16, [3000, 5192])
+    torch.cuda.synchronize()
+    profiler = cProfile.Profile()
+    start = time.perf_counter()
+    profiler.enable()
+    _call(inputs).float().square().sum().backward()
+    torch.cuda.synchronize()
+    profiler.disable()
+    print(f"first fwd+bwd: {time.perf_counter() - start:.2f} s")
+    pstats.Stats(profiler).sort_stats("cumulative").print_stats(args.top)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("what", choices=["step", "first-call"])
+    ap.add_argument("--heads", default="16,32")
+    ap.add_argument("--tokens", type=int, default=32768)
+    ap.add_argument("--seqs", type=int, default=1)
+    ap.add_argument("--top", type=int, default=30)
+    args = ap.parse_args()
+    profile_step(args) if args.what == "step" else profile_first_call(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,286 @@
+"""Chunk-local gradients of GDN (docs/algorithm.md, "Chunked backward"), every chunk at once.
+
+The TileLang form of `flashqla.ops.reference.chunk_backward`, step for step and with its names, for one
+chunk and one v-head per CTA. Given the state entering the chunk (S, from `chunk_states`) and the gradient
+of the state leaving it (dS, from `chunk_dstates`), with dOs = scale dO:
+
+    Vd      = V - diag(gamma) K S                  V_new = (Gamma o A) diag(beta) Vd
+    P       = Gamma o Q K^T                        dV_new = P^T dOs + diag(gamma_last/gamma) K dS
+    dX      = (Gamma o A)^T dV_new                 dVd = diag(beta) dX              (= dv)
+    dP      = dOs V_new^T                          dq = diag(gamma) dOs S^T + (dP o Gamma) K
+    dk      = (dP o Gamma)^T Q + diag(gamma_last/gamma) V_new dS^T + (G + G^T) K - diag(gamma) dVd S^T
+    dA      = (dV_new (diag(beta) Vd)^T) o Gamma   dL = StrictLower(-A^T dA A^T),  G = diag(beta) dL
+    dbeta   = rowsum(dX o Vd) + rowsum(dL o K K^T)
+    dgc     = rowsum(dOs o diag(gamma) Q S) + rowsum(E_P) - colsum(E_P) + rowsum(E_A) - colsum(E_A)
+              - F - gamma o rowsum(K o dVd S^T),  dgc_last += sum(F)
+              with E_P = dP o P, E_A = dGamma_A o (Gamma o A), F = (gamma_last/gamma) o rowsum(K o V_new dS^T)
+
+    dgc_last += gamma_last <S, dS>,   dg = reverse cumsum of dgc within the chunk (gc = cumsum g)
+
+Inputs in the flat token layout of the forward: q, k [T, Hqk, 128] (v-head h reads k-head h // (Hv/Hqk)),
+v and dOs [T, Hv, 128], A [T, Hv, 64] WITHOUT beta (wy_inverse with store_a), gcum [Hv, T] (natural
+log, converted to base 2 once, for exp2), the per-chunk states h and state gradients dh at chunk slots
+(chunk_states, chunk_dstates). CTA (slot, v-head) finds its sequence by binary search in `chunk_offsets`
+as wy_inverse does; in a partial last chunk the rows past the sequence end are zeroed after loading
+(they hold the next sequence) and their gates repeat the last one, which is exactly the zero padding of
+the reference's chunk grid. Outputs fp32, rows that exist only: dq, dk per v-head (the caller sums GQA
+groups), dv, dg [Hv, T], dbeta.
+
+256 threads; operands of the tensor-core products in the input dtype from shared memory, accumulators and
+the elementwise algebra in fp32. Column sums run as a serial loop over rows of a shared fp32 tile.
+"""
+import tilelang.language as T
+
+CHUNK = 64
+HEAD_DIM = 128
+LOG2E = 1.4426950408889634
+
+
+def build_chunk_bwd_local(dtype: str):
+    num_tokens = T.dynamic("num_tokens")
+    num_qk_heads = T.dynamic("num_qk_heads")
+    num_v_heads = T.dynamic("num_v_heads")
+    num_seqs = T.dynamic("num_seqs")
+    num_chunk_slots = T.dynamic("num_chunk_slots")
+    C, D = CHUNK, HEAD_DIM
+
+    @T.prim_func
+    def chunk_bwd_local(
+        q: T.Tensor((num_tokens, num_qk_heads, D), dtype),
+        k: T.Tensor((num_tokens, num_qk_heads, D), dtype),
+        v: T.Tensor((num_tokens, num_v_heads, D), dtype),
+        dos: T.Tensor((num_tokens, num_v_heads, D), dtype),
+        A: T.Tensor((num_tokens, num_v_heads, C), dtype),
+        gcum: T.Tensor((num_v_heads, num_tokens), "float32"),
+        beta: T.Tensor((num_tokens, num_v_heads), "float32"),
+        h: T.Tensor((num_chunk_slots, num_v_heads, D, D), dtype),
+        dh: T.Tensor((num_chunk_slots, num_v_heads, D, D), dtype),
+        cu_seqlens: T.Tensor((num_seqs + 1,), "int32"),
+        chunk_offsets: T.Tensor((num_seqs + 1,), "int32"),
+        dq: T.Tensor((num_tokens, num_v_heads, D), "float32"),
+        dk: T.Tensor((num_tokens, num_v_heads, D), "float32"),
+        dv: T.Tensor((num_tokens, num_v_heads, D), "float32"),
+        dg: T.Tensor((num_v_heads, num_tokens), "float32"),
+        dbeta: T.Tensor((num_tokens, num_v_heads), "float32"),
+        search_steps: T.int32,
+    ):
+        with T.Kernel(num_chunk_slots, num_v_heads, threads=256) as (chunk, hv):
+            hk = hv // (num_v_heads // num_qk_heads)
+            Q_s = T.alloc_shared((C, D), dtype)
+            K_s = T.alloc_shared((C, D), dtype)
+            dO_s = T.alloc_shared((C, D), dtype)
+            S_s = T.alloc_shared((D, D), dtype)
+            dS_s = T.alloc_shared((D, D), dtype)
+            CD1_s = T.alloc_shared((C, D), dtype)  # V, then diag(beta) Vd
+            CD2_s = T.alloc_shared((C, D), dtype)  # V_new, then dVd (after the last use of V_new)
+            dVn_s = T.alloc_shared((C, D), dtype)
+            A_s = T.alloc_shared((C, C), dtype)
+            GA_s = T.alloc_shared((C, C), dtype)  # Gamma o A
+            CC1_s = T.alloc_shared((C, C), dtype)  # P, then dP o Gamma, then dA
+            CC2_s = T.alloc_shared((C, C), dtype)  # A^T dA, then G
+            E_sh = T.alloc_shared((C, C), "float32")  # E_P, then E_A (column sums)
+            gc_sh = T.alloc_shared((C,), "float32")
+            beta_sh = T.alloc_shared((C,), "float32")
+            F_sh = T.alloc_shared((C,), "float32")
+            dg_sh = T.alloc_shared((C,), "float32")
+
+            Vd = T.alloc_fragment((C, D), "float32")
+            dVn = T.alloc_fragment((C, D), "float32")
+            tmp = T.alloc_fragment((C, D), "float32")
+            acc = T.alloc_fragment((C, D), "float32")  # dq, then dk
+            CC = T.alloc_fragment((C, C), "float32")
+            P = T.alloc_fragment((C, C), "float32")
+            E = T.alloc_fragment((C, C), "float32")
+            rows = T.alloc_fragment((C,), "float32")
+            dgc_acc = T.alloc_fragment((C,), "float32")
+            dbeta_acc = T.alloc_fragment((C,), "float32")
+            col = T.alloc_fragment((C,), "float32")
+            Fsum = T.alloc_var("float32")
+
+            # --- which sequence and chunk this CTA owns (as in wy_inverse) ---------------------------
+            lo = T.alloc_var("int32")
+            hi = T.alloc_var("int32")
+            lo = 0
+            hi = num_seqs - 1
+            for _ in T.serial(search_steps):
+                mid = (lo + hi + 1) // 2
+                if chunk_offsets[mid] <= chunk:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            t0 = cu_seqlens[lo] + (chunk - chunk_offsets[lo]) * C
+            n_rows = T.if_then_else(chunk < chunk_offsets[num_seqs], T.min(C, cu_seqlens[lo + 1] - t0), 0)
+            last = T.max(n_rows - 1, 0)
+
+            if n_rows > 0:
+                T.copy(q[t0:t0 + C, hk, 0:D], Q_s)
+                T.copy(k[t0:t0 + C, hk, 0:D], K_s)
+                T.copy(dos[t0:t0 + C, hv, 0:D], dO_s)
+                T.copy(v[t0:t0 + C, hv, 0:D], CD1_s)
+                T.copy(A[t0:t0 + C, hv, 0:C], A_s)
+                T.copy(h[chunk, hv, 0:D, 0:D], S_s)
+                T.copy(dh[chunk, hv, 0:D, 0:D], dS_s)
+                if n_rows < C:  # rows past the sequence end: the reference grid's zero padding
+                    for r, j in T.Parallel(C, D):
+                        if r >= n_rows:
+                            Q_s[r, j] = T.cast(0, dtype)
+                            K_s[r, j] = T.cast(0, dtype)
+                            dO_s[r, j] = T.cast(0, dtype)
+                            CD1_s[r, j] = T.cast(0, dtype)
+                    for r, s in T.Parallel(C, C):
+                        if r >= n_rows:
+                            A_s[r, s] = T.cast(0, dtype)
+                for r in T.Parallel(C):
+                    gc_sh[r] = gcum[hv, t0 + T.min(r, last)] * LOG2E
+                    beta_sh[r] = T.if_then_else(r < n_rows, beta[t0 + T.min(r, last), hv], 0.0)
+                T.clear(dgc_acc)
+
+                # Vd = V - diag(gamma) K S;  CD1 <- diag(beta) Vd;  Gamma o A
+                T.gemm(K_s, S_s, tmp, clear_accum=True)
+                for r, j in T.Parallel(C, D):
+                    Vd[r, j] = CD1_s[r, j] - T.exp2(gc_sh[r]) * tmp[r, j]
+                for r, j in T.Parallel(C, D):
+                    CD1_s[r, j] = beta_sh[r] * Vd[r, j]
+                for r, s in T.Parallel(C, C):
+                    GA_s[r, s] = A_s[r, s] * T.if_then_else(r >= s, T.exp2(gc_sh[r] - gc_sh[s]), 0.0)
+
+                # V_new = (Gamma o A) diag(beta) Vd -> CD2
+                T.gemm(GA_s, CD1_s, tmp, clear_accum=True)
+                T.copy(tmp, CD2_s)
+
+                # P = Gamma o Q K^T -> CC1 (and fp32 in P)
+                T.gemm(Q_s, K_s, P, transpose_B=True, clear_accum=True)
+                for r, s in T.Parallel(C, C):
+                    P[r, s] = P[r, s] * T.if_then_else(r >= s, T.exp2(gc_sh[r] - gc_sh[s]), 0.0)
+                T.copy(P, CC1_s)
+
+                # dV_new = P^T dOs + diag(gamma_last / gamma) K dS
+                T.gemm(K_s, dS_s, tmp, clear_accum=True)
+                T.gemm(CC1_s, dO_s, dVn, transpose_A=True, clear_accum=True)
+                for r, j in T.Parallel(C, D):
+                    dVn[r, j] = dVn[r, j] + T.exp2(gc_sh[C - 1] - gc_sh[r]) * tmp[r, j]
+                T.copy(dVn, dVn_s)
+
+                # dP = dOs V_new^T; E_P = dP o P; CC1 <- dP o Gamma
+                T.gemm(dO_s, CD2_s, CC, transpose_B=True, clear_accum=True)
+                for r, s in T.Parallel(C, C):
+                    E[r, s] = CC[r, s] * P[r, s]
+                for r, s in T.Parallel(C, C):
+                    CC1_s[r, s] = CC[r, s] * T.if_then_else(r >= s, T.exp2(gc_sh[r] - gc_sh[s]), 0.0)
+                T.copy(E, E_sh)
+                T.reduce_sum(E, rows, dim=1)
+                T.clear(col)
+                for r in T.serial(C):
+                    for s in T.Parallel(C):
+                        col[s] = col[s] + E_sh[r, s]
+                for r in T.Parallel(C):
+                    dgc_acc[r] = dgc_acc[r] + rows[r] - col[r]
+
+                # dq = diag(gamma) dOs S^T + (dP o Gamma) K
+                T.gemm(dO_s, S_s, acc, transpose_B=True, clear_accum=True)
+                for r, j in T.Parallel(C, D):
+                    acc[r, j] = acc[r, j] * T.exp2(gc_sh[r])
+                T.gemm(CC1_s, K_s, acc)
+                for r, j in T.Parallel(C, D):
+                    if r < n_rows:
+                        dq[t0 + r, hv, j] = acc[r, j]
+
+                # dgc += rowsum(dOs o diag(gamma) Q S)
+                T.gemm(Q_s, S_s, tmp, clear_accum=True)
+                for r, j in T.Parallel(C, D):
+                    tmp[r, j] = T.exp2(gc_sh[r]) * tmp[r, j] * dO_s[r, j]
+                T.reduce_sum(tmp, rows, dim=1)
+                for r in T.Parallel(C):
+                    dgc_acc[r] = dgc_acc[r] + rows[r]
+
+                # dk = (dP o Gamma)^T Q + diag(gamma_last / gamma) V_new dS^T;  F = that scale o rowsum(K o V_new dS^T)
+                T.gemm(CC1_s, Q_s, acc, transpose_A=True, clear_accum=True)
+                T.gemm(CD2_s, dS_s, tmp, transpose_B=True, clear_accum=True)
+                for r, j in T.Parallel(C, D):
+                    acc[r, j] = acc[r, j] + T.exp2(gc_sh[C - 1] - gc_sh[r]) * tmp[r, j]
+                for r, j in T.Parallel(C, D):
+                    tmp[r, j] = K_s[r, j] * tmp[r, j]
+                T.reduce_sum(tmp, rows, dim=1)
+                for r in T.Parallel(C):
+                    F_sh[r] = T.exp2(gc_sh[C - 1] - gc_sh[r]) * rows[r]
+                for r in T.Parallel(C):
+                    dgc_acc[r] = dgc_acc[r] - F_sh[r]
+
+                # dX = (Gamma o A)^T dV_new; dv = dVd = diag(beta) dX -> CD2 (V_new is done);
+                # dbeta = rowsum(dX o Vd)
+                T.gemm(GA_s, dVn_s, tmp, transpose_A=True, clear_accum=True)
+                for r, j in T.Parallel(C, D):
+                    if r < n_rows:
+                        dv[t0 + r, hv, j] = beta_sh[r] * tmp[r, j]
+                    CD2_s[r, j] = beta_sh[r] * tmp[r, j]
+                for r, j in T.Parallel(C, D):
+                    tmp[r, j] = tmp[r, j] * Vd[r, j]
+                T.reduce_sum(tmp, dbeta_acc, dim=1)
+
+                # dGamma_A = dV_new (diag(beta) Vd)^T; E_A = dGamma_A o (Gamma o A); CC1 <- dA = dGamma_A o Gamma
+                T.gemm(dVn_s, CD1_s, CC, transpose_B=True, clear_accum=True)
+                for r, s in T.Parallel(C, C):
+                    E[r, s] = CC[r, s] * GA_s[r, s]
+                for r, s in T.Parallel(C, C):
+                    CC1_s[r, s] = CC[r, s] * T.if_then_else(r >= s, T.exp2(gc_sh[r] - gc_sh[s]), 0.0)
+                T.copy(E, E_sh)
+                T.reduce_sum(E, rows, dim=1)
+                T.clear(col)
+                for r in T.serial(C):
+                    for s in T.Parallel(C):
+                        col[s] = col[s] + E_sh[r, s]
+                for r in T.Parallel(C):
+                    dgc_acc[r] = dgc_acc[r] + rows[r] - col[r]
+
+                # dL = StrictLower(-A^T dA A^T); dbeta += rowsum(dL o K K^T); CC2 <- G = diag(beta) dL
+                T.gemm(A_s, CC1_s, CC, transpose_A=True, clear_accum=True)
+                T.copy(CC, CC2_s)
+                T.gemm(CC2_s, A_s, CC, transpose_B=True, clear_accum=True)
+                T.gemm(K_s, K_s, P, transpose_B=True, clear_accum=True)  # P <- K K^T (P is no longer needed)
+                for r, s in T.Parallel(C, C):
+                    CC[r, s] = T.if_then_else(r > s, -CC[r, s], 0.0)
+                for r, s in T.Parallel(C, C):
+                    P[r, s] = CC[r, s] * P[r, s]
+                T.reduce_sum(P, rows, dim=1)
+                for r in T.Parallel(C):
+                    dbeta_acc[r] = dbeta_acc[r] + rows[r]
+                for r, s in T.Parallel(C, C):
+                    CC2_s[r, s] = beta_sh[r] * CC[r, s]
+
+                # dk += (G + G^T) K
+                T.gemm(CC2_s, K_s, acc)
+                T.gemm(CC2_s, K_s, acc, transpose_A=True)
+
+                # dVd S^T: dk -= diag(gamma) dVd S^T; dgc -= gamma o rowsum(K o dVd S^T)
+                T.gemm(CD2_s, S_s, tmp, transpose_B=True, clear_accum=True)
+                for r, j in T.Parallel(C, D):
+                    acc[r, j] = acc[r, j] - T.exp2(gc_sh[r]) * tmp[r, j]
+                for r, j in T.Parallel(C, D):
+                    tmp[r, j] = K_s[r, j] * tmp[r, j]
+                T.reduce_sum(tmp, rows, dim=1)
+                for r in T.Parallel(C):
+                    dgc_acc[r] = dgc_acc[r] - T.exp2(gc_sh[r]) * rows[r]
+                for r, j in T.Parallel(C, D):
+                    if r < n_rows:
+                        dk[t0 + r, hv, j] = acc[r, j]
+
+                # gamma_last <S, dS> joins F (both belong to dgc of the last row), in two row halves of S
+                for half in T.serial(2):
+                    for r, j in T.Parallel(C, D):
+                        tmp[r, j] = S_s[half * C + r, j] * dS_s[half * C + r, j]
+                    T.reduce_sum(tmp, rows, dim=1)
+                    for r in T.Parallel(C):
+                        F_sh[r] = F_sh[r] + T.exp2(gc_sh[C - 1]) * rows[r]
+                Fsum = 0.0
+                for r in T.serial(C):
+                    Fsum = Fsum + F_sh[r]
+                # dg = reverse cumsum of dgc over the rows that exist; the last row's sum(F) reaches all
+                for r in T.Parallel(C):
+                    dg_sh[r] = T.if_then_else(r < n_rows, dgc_acc[r], 0.0)
+                T.cumsum(src=dg_sh, dst=dg_sh, dim=0, reverse=True)
+                for r in T.Parallel(C):
+                    if r < n_rows:
+                        dg[hv, t0 + r] = dg_sh[r] + Fsum
+                        dbeta[t0 + r, hv] = dbeta_acc[r]
+
+    return chunk_bwd_local
