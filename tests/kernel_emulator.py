@@ -4,7 +4,7 @@ Each `emulate_<kernel>` takes what the compiled kernel takes (flat token-layout 
 chunk offsets, runtime flags) and writes the same outputs, computed in fp64 chunk by chunk from the
 kernel's docstring equations. Installed over `flashqla.kernels.hopper.launch.compiled_*` (see
 `install`), they let the CPU suite run every line of the kernels' host code — layouts, offsets, flags,
-the split / fused / segmented forward, the backward's kernel walks, inter-card summaries — against the
+the split / fused / segmented forward, the backward, inter-card summaries — against the
 torch backend. What they cannot test is the kernels themselves (tests/gpu does that on an H200).
 """
 from __future__ import annotations
@@ -163,7 +163,7 @@ def emulate_chunk_bwd_local(q, k, v, dos, A, gcum, beta, h, dh, cu, offsets, dq,
 
 def install(monkeypatch):
     """Replace every compiled kernel (and the SM count query) of flashqla.kernels.hopper by the emulators."""
-    from flashqla.kernels.hopper import backward, grid_walks, launch
+    from flashqla.kernels.hopper import backward, launch
 
     kernels = {
         "compiled_wy_inverse": lambda dtype: emulate_wy_inverse,
@@ -173,7 +173,7 @@ def install(monkeypatch):
         "compiled_chunk_dstates": lambda dtype, block_v: emulate_chunk_dstates,
         "compiled_chunk_bwd_local": lambda dtype: emulate_chunk_bwd_local,
     }
-    for module in (launch, grid_walks, backward):
+    for module in (launch, backward):
         for name, fake in kernels.items():
             if hasattr(module, name):
                 monkeypatch.setattr(module, name, fake)

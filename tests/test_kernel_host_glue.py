@@ -1,8 +1,8 @@
 """The host side of the TileLang kernels on the CPU, with torch emulators in place of the compiled kernels
 (tests/kernel_emulator.py): every layout, offset and flag the kernels receive, against the torch backend.
 
-Covers the split and fused forwards, intra-card segments on the kernel path, the backward's kernel walks,
-and the inter-card summaries. Inputs are bf16 (what the kernels take); the emulators compute in fp64, so
+Covers the split and fused forwards, intra-card segments on the kernel path, the kernel backward (plain and
+segmented), and the inter-card summaries and entering-state gradients. Inputs are bf16 (what the kernels take); the emulators compute in fp64, so
 the limits are bf16's (the kernels' own precision is tested on the H200 in tests/gpu).
 """
 import pytest
@@ -67,20 +67,24 @@ def test_segmented_kernel_path_matches_unsegmented(hopper):
     assert rel_err(o, o_ref) <= TOL and rel_err(ht, ht_ref) <= TOL, (rel_err(o, o_ref), rel_err(ht, ht_ref))
 
 
-@pytest.mark.parametrize("segment_chunks", [0, 2])
-def test_backward_kernel_walks_match_the_reference_walks(hopper, segment_chunks):
-    from flashqla.ops import reference, torch_backend
+@pytest.mark.parametrize("segment_chunks,cp_warmup", [(0, None), (2, None), (2, -10.0), (3, -2.0)])
+def test_backward_dispatch_on_the_kernel_path_matches_the_torch_backend(hopper, segment_chunks, cp_warmup):
+    """backends.backward("tilelang"): the kernel backward, with intra-card segments run as sequences (their
+    starts, D_j, the mirror scan of exit gradients); a pack with 1-token and odd-length sequences, h0, dht."""
+    from flashqla.ops import backends, torch_backend
 
-    args, cu = call([200, 1, 129], Hqk=2, Hv=4, seed=2)
+    args, cu = call([200, 1, 129, 300], Hqk=2, Hv=4, seed=2)
     plan = torch_backend.make_plan(1, args["q"].shape[1], cu.tolist(), segment_chunks)
+    assert plan.is_segmented == (segment_chunks > 0)
     gen = torch.Generator().manual_seed(5)
     do = torch.randn(args["v"].shape, generator=gen).bfloat16()
     dht = torch.randn(args["initial_state"].shape, generator=gen) * 0.1
     inputs = [args[n] for n in NAMES]
-    got = torch_backend.backward(*inputs, 0.25, args["initial_state"], plan, do, dht, None,
-                                 hopper.KernelWalks(torch.bfloat16))
-    want = torch_backend.backward(*inputs, 0.25, args["initial_state"], plan, do, dht, None,
-                                  reference.ReferenceWalks)
+    call_ = backends.Call(*inputs, args["initial_state"], cu)
+    got = backends.backward("tilelang", call_, 0.25, plan, cp_warmup, do, dht)
+    # reference: the unsegmented exact gradients (warmup heads may differ below e^cp_warmup)
+    want = torch_backend.backward(*inputs, 0.25, args["initial_state"], torch_backend.make_plan(
+        1, args["q"].shape[1], cu.tolist(), 0), do, dht, None)
     limits = {"q": 1e-2, "k": 1e-2, "v": 1e-2, "g": 2e-2, "beta": 2e-2, "initial_state": 1e-2}
     for name, a, b in zip(limits, got, want):
         assert a.shape == b.shape and a.dtype == b.dtype, name
@@ -91,7 +95,7 @@ def test_backward_kernel_walks_match_the_reference_walks(hopper, segment_chunks)
 def test_kernel_backward_matches_the_torch_backend(hopper, varlen):
     """chunk_gdn_bwd on the token layout: partial chunks, 1-token sequences, GQA, h0 and dht (varlen), and
     an equal-length batch without either."""
-    from flashqla.ops import reference, torch_backend
+    from flashqla.ops import torch_backend
 
     if varlen:
         args, cu = call([1, 65, 130, 64, 7], Hqk=2, Hv=6, seed=7)
@@ -106,7 +110,7 @@ def test_kernel_backward_matches_the_torch_backend(hopper, varlen):
     got = hopper.chunk_gdn_bwd(*inputs, 0.25, h0, cu, do, dht)
     B, T = args["q"].shape[:2]
     plan = torch_backend.make_plan(B, T, None if cu is None else cu.tolist(), 0)
-    want = torch_backend.backward(*inputs, 0.25, h0, plan, do, dht, None, reference.ReferenceWalks)
+    want = torch_backend.backward(*inputs, 0.25, h0, plan, do, dht, None)
     limits = {"q": 1e-2, "k": 1e-2, "v": 1e-2, "g": 2e-2, "beta": 2e-2, "initial_state": 1e-2}
     for name, a, b in zip(limits, got, want):
         if b is None:
@@ -161,7 +165,7 @@ def _inter_card_cp_on_the_kernel_path(rank, world, lengths, intra_cp):
 @pytest.mark.parametrize("intra_cp", ["off", 2])
 def test_inter_card_cp_on_the_kernel_path_equals_one_process(intra_cp):
     """Two gloo ranks, a pack whose middle sequence crosses the cut, on the (emulated) kernels: summaries,
-    exchange, the local kernel forward with the entering state, and the kernel walks in backward."""
+    exchange, the local kernel forward with the entering state, D_p and the kernel backward."""
     from multiprocess import run_on_ranks
 
     run_on_ranks(2, _inter_card_cp_on_the_kernel_path, [130, 300, 82], intra_cp)

@@ -137,7 +137,6 @@ class InterCardCPFunction(torch.autograd.Function):
         q, k, v, g, beta, initial_state, M_spanning = ctx.saved_tensors
         cp, scale, plan, warmup = ctx.cp, ctx.scale, ctx.plan, ctx.cp_warmup
         do = do.contiguous()
-        walks = backends.walks_for(ctx.backend, q.dtype)
         Hv, K, V = v.shape[2], q.shape[3], v.shape[3]
         D = torch.zeros((len(cp.pieces), Hv, K, V), dtype=initial_state.dtype, device=q.device)
         for i, piece in enumerate(cp.pieces):
@@ -147,7 +146,7 @@ class InterCardCPFunction(torch.autograd.Function):
                 args = [_span(t, s, e) for t in (q, k, v, g, beta)]
                 # D: gradient of the entering state with a zero gradient leaving the part (the reverse
                 # walk alone; the full local backward below gives the other gradients)
-                D[i] = torch_backend.entering_state_gradient(*args, scale, do[:, s:e], walks)[0].to(D.dtype)
+                D[i] = backends.entering_state_gradient(ctx.backend, *args, scale, do[:, s:e])[0].to(D.dtype)
         # M'_p is nonzero only where the first sequence also leaves the part: the forward's M
         exchange = _Exchange(cp, D, M_spanning)
         dD, dM = exchange.wait()

@@ -10,7 +10,9 @@ A segment is a shorter sequence with its own initial state. After one `wy_invers
 3. the state walk from every S_{j,0}, storing the per-chunk states, then `chunk_output` for all chunks.
 
 Steps 1 and 3 run segments x heads x V tiles CTAs instead of sequences x heads x V tiles: that is the
-parallelism CP buys for few long sequences.
+parallelism CP buys for few long sequences. The backward (`segmented_backward`) mirrors it: the same
+starts, one reverse walk per segment from zero (D_j), the fp32 mirror scan, then the kernel backward
+over every segment at once.
 
 No host synchronisation: the plan comes from host-side sequence lengths, the exact/warmup choice is a
 device mask.
@@ -60,26 +62,71 @@ def _segment_log_decay(g: torch.Tensor, idx: _PlanTensors) -> torch.Tensor:
     return flat.new_zeros(idx.cu.numel() - 1, flat.shape[1]).index_add_(0, idx.segment_of_token, flat)
 
 
-def segmented_forward(hopper, q, k, v, g, beta, scale, initial_state, output_final_state, plan: SegmentPlan,
-                      cp_warmup):
-    """Intra-card CP on the TileLang kernels (`hopper` = flashqla.kernels.hopper); returns what the
-    unsegmented forward would return, (o, final_state)."""
-    B, T = q.shape[:2]
-    Hv = v.shape[2]
-    idx = _plan_tensors(plan, B * T, q.device)
-    packed = [x.reshape((1, B * T) + x.shape[2:]) for x in (q, k, v, g, beta)]
-    # segments start on chunk boundaries of their sequence, so they chunk exactly like the sequences
-    x = hopper.prepare(*packed, idx.cu)
+def _segment_starts(hopper, x, g, initial_state, idx: _PlanTensors, cp_warmup):
+    """(S_{j,0} of every segment, M_j, exact mask [rows, Hv]): steps 1-2 above, fp32."""
     S_star, M = hopper.summaries(x, with_transition=True)
-
-    exact = idx.has_prev[:, None].expand(-1, Hv).clone()
+    exact = idx.has_prev[:, None].expand(-1, g.shape[-1]).clone()
     if cp_warmup is not None:
         exact[1:] &= _segment_log_decay(g, idx)[:-1] >= cp_warmup  # row j reads the decay of row j-1
     S0 = torch.zeros_like(S_star)
     if initial_state is not None:
         S0[idx.first] = initial_state.to(S0.dtype)
-    S0 = chain_segments(S0, S_star, M, exact, idx.steps)
+    return chain_segments(S0, S_star, M, exact, idx.steps), M, exact
+
+
+def _packed(idx, *tensors):
+    return [t.reshape((1, idx.segment_of_token.numel()) + t.shape[2:]) for t in tensors]
+
+
+def segmented_forward(hopper, q, k, v, g, beta, scale, initial_state, output_final_state, plan: SegmentPlan,
+                      cp_warmup):
+    """Intra-card CP on the TileLang kernels (`hopper` = flashqla.kernels.hopper); returns what the
+    unsegmented forward would return, (o, final_state)."""
+    idx = _plan_tensors(plan, q.shape[0] * q.shape[1], q.device)
+    # segments start on chunk boundaries of their sequence, so they chunk exactly like the sequences
+    x = hopper.prepare(*_packed(idx, q, k, v, g, beta), idx.cu)
+    S0, _, _ = _segment_starts(hopper, x, g, initial_state, idx, cp_warmup)
     h, vnew, S_final = hopper.walk(x, S0, store_final=output_final_state)
     o = hopper.output(x, h, vnew, scale)
     final_state = S_final[idx.last] if output_final_state else None
     return o.view(v.shape), final_state
+
+
+def exit_gradients(D, M, exact, idx: _PlanTensors, dht):
+    """X_j, the gradient of the state leaving every segment, fp32 [rows, Hv, K, V] (the mirror scan).
+
+    A sequence's last segment leaves with dht (zero when None). Otherwise segment j+1 starts from
+    S*_j + [exact_{j+1}] M_j S_{j,0}, so X_j = G_{j+1}, the gradient of that start, which is
+    D_{j+1} (its own outputs' gradient, from zero) + f_{j+1} M_{j+1}^T X_{j+1}, with f = 1 into a
+    sequence's final state and exact_{j+2} into the next segment's start.
+    """
+    X = torch.zeros_like(D)
+    if dht is not None:
+        X[idx.last] = dht.to(X.dtype)
+    into_next = torch.ones_like(exact, dtype=D.dtype)
+    into_next[:-1] = torch.where(idx.has_prev[1:, None], exact[1:].to(D.dtype), 1.0)
+    for rows in reversed(idx.steps):  # rows at position p, from the deepest position back
+        chained = (M[rows].transpose(-1, -2) @ X[rows]) * into_next[rows, :, None, None]
+        X[rows - 1] = D[rows] + chained
+    return X
+
+
+def segmented_backward(hopper, q, k, v, g, beta, scale, initial_state, plan: SegmentPlan, cp_warmup, do, dht):
+    """The gradients of `segmented_forward` (its o and final state): (dq, dk, dv, dg, dbeta, dh0).
+
+    The segments' starts are recomputed as in the forward; one reverse walk from zero gives every
+    segment's D_j, the fp32 mirror scan (`exit_gradients`) the gradient leaving each segment, and the
+    kernel backward then runs every segment at once from its start and its exit gradient. Heads that
+    took the warmup path in the forward get the gradient of the exact chain there (the two differ by
+    terms below e^cp_warmup, like the forward's).
+    """
+    idx = _plan_tensors(plan, q.shape[0] * q.shape[1], q.device)
+    packed = _packed(idx, q, k, v, g, beta)
+    x = hopper.prepare(*packed, idx.cu, store_a=True)
+    S0, M, exact = _segment_starts(hopper, x, g, initial_state, idx, cp_warmup)
+    dos = hopper.scaled_output_gradient(x, do, scale)
+    _, D = hopper.state_gradients(x, dos, None)
+    X = exit_gradients(D, M, exact, idx, dht)
+    *grads, dS0 = hopper.backward_of(x, *packed, dos, S0, X)
+    grads = [grad.view(t.shape) for grad, t in zip(grads, (q, k, v, g, beta))]
+    return (*grads, None if initial_state is None else dS0[idx.first].to(initial_state.dtype))

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from ..cp import segments
-from . import reference, torch_backend
+from . import torch_backend
 
 log = logging.getLogger("flashqla")
 
@@ -98,21 +98,23 @@ def summary(name: str, q, k, v, g, beta, with_transition: bool):
     return torch_backend.summary(q, k, v, g, beta, with_transition)
 
 
-def walks_for(name: str, dtype: torch.dtype):
-    """The serial walks of the backward: TileLang kernels on the "tilelang" backend, else torch."""
+def entering_state_gradient(name: str, q, k, v, g, beta, scale, do):
+    """dS0 of one whole sequence [1, T] when the gradient of its final state is zero: the reverse walk
+    alone. Inter-card CP's D_p (flashqla/cp/inter.py); [1, Hv, K, V], fp32 (fp64 for fp64 inputs)."""
     if name == "tilelang":
         hopper, _ = _hopper_kernels()
-        return hopper.KernelWalks(dtype)
-    return reference.ReferenceWalks
+        return hopper.entering_state_gradients(q, k, v, g, beta, scale, None, do)
+    return torch_backend.entering_state_gradient(q, k, v, g, beta, scale, do)
 
 
 def backward(name: str, call: Call, scale: float, plan, cp_warmup, do, dht):
-    # Unsegmented calls on "tilelang" run the kernels' backward on the token layout (states recomputed
-    # from the inputs); segmented ones, and "torch", the reference chunked backward on the chunk grid,
-    # with the kernels (KernelWalks) doing its walks and chunk-local gradients on "tilelang".
+    # "tilelang": the kernel backward on the token layout (states recomputed from the inputs), with
+    # intra-card CP segments run as sequences; "torch": the reference chunked backward on the chunk grid.
     c = call
-    if name == "tilelang" and not plan.is_segmented:
+    if name == "tilelang":
         hopper, _ = _hopper_kernels()
+        if plan.is_segmented:
+            return segments.segmented_backward(hopper, c.q, c.k, c.v, c.g, c.beta, scale, c.initial_state, plan,
+                                               cp_warmup, do, dht)
         return hopper.chunk_gdn_bwd(c.q, c.k, c.v, c.g, c.beta, scale, c.initial_state, c.cu_seqlens, do, dht)
-    return torch_backend.backward(c.q, c.k, c.v, c.g, c.beta, scale, c.initial_state, plan, do, dht, cp_warmup,
-                                  walks_for(name, c.q.dtype))
+    return torch_backend.backward(c.q, c.k, c.v, c.g, c.beta, scale, c.initial_state, plan, do, dht, cp_warmup)

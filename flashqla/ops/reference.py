@@ -188,18 +188,9 @@ def reverse_walk(x: ChunkInputs, b: BackwardTerms, dS_final: torch.Tensor, resta
     return torch.stack(dS_out, 1), dS
 
 
-class ReferenceWalks:
-    """The two serial walks of the backward, in torch; the TileLang backend swaps in its kernels."""
-
-    @staticmethod
-    def states_in(x: ChunkInputs, S0: torch.Tensor) -> torch.Tensor:
-        """The state entering every chunk [rows, chunks, Hv, K, V] from S0 [rows, Hv, K, V]."""
-        return state_walk(x, S0, 1.0, with_output=False)[1]
-
-    @staticmethod
-    def state_gradients(x: ChunkInputs, b: BackwardTerms, dS_final: torch.Tensor):
-        """(dS_out [rows, chunks, Hv, K, V], dS0 [rows, Hv, K, V]) from dS_final [rows, Hv, K, V]."""
-        return reverse_walk(x, b, dS_final)
+def states_in(x: ChunkInputs, S0: torch.Tensor) -> torch.Tensor:
+    """The state entering every chunk [rows, chunks, Hv, K, V] from S0 [rows, Hv, K, V]."""
+    return state_walk(x, S0, 1.0, with_output=False)[1]
 
 
 def gate_gradient(dgc: torch.Tensor) -> torch.Tensor:
@@ -222,7 +213,7 @@ def chunk_backward(x: ChunkInputs, b: BackwardTerms, S_in: torch.Tensor, dS_out:
     """Gradients of the chunked forward (docs/algorithm.md, "Chunked backward"), local to every chunk.
 
     S_in / dS_out: the state entering / the gradient of the state leaving every chunk, from the two
-    serial walks (the kernels' walks hand them over in the input dtype; they are widened here).
+    serial walks.
     Everything here is computed for all chunks at once. Returns dq, dk, dv, dgc, dbeta on the grid
     (v-head layout).
     """

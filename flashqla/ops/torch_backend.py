@@ -78,17 +78,16 @@ BACKWARD_BLOCK_CHUNKS = 64
 
 
 def backward(q, k, v, g, beta, scale, initial_state, plan: SegmentPlan, do, dht, cp_warmup=-10.0,
-             walks=reference.ReferenceWalks, block_chunks: int = BACKWARD_BLOCK_CHUNKS):
+             block_chunks: int = BACKWARD_BLOCK_CHUNKS):
     """Gradients (dq, dk, dv, dg, dbeta, dh0) in the dtypes of (q, k, v, g, beta, initial_state).
 
-    `walks` runs the two serial walks (states forward, state gradients in reverse); the TileLang
-    backend passes its kernels (flashqla/kernels/hopper/grid_walks.py), the rest stays on this grid,
-    computed `block_chunks` chunks at a time.
+    The two serial walks (states forward, state gradients in reverse) run over whole rows; everything
+    local to a chunk is computed `block_chunks` chunks at a time.
     """
     p = _Prepared(q, k, v, g, beta, initial_state, plan)
     x = p.x
     S0, M, bwd = p.segment_states(cp_warmup, for_backward=True)
-    S_in = walks.states_in(x, S0)
+    S_in = reference.states_in(x, S0)
     dO = p.grid.gather(_flat(do).to(x.q.dtype)).movedim(3, 2)
     b = reference.backward_terms(x, dO, scale)
     dS_sequences = dht.to(x.q.dtype) if dht is not None else torch.zeros_like(p.S0_sequences)
@@ -96,12 +95,9 @@ def backward(q, k, v, g, beta, scale, initial_state, plan: SegmentPlan, do, dht,
         dS_final = intra.segment_final_gradients(x, b, plan, bwd, M, dS_sequences)
     else:
         dS_final = dS_sequences
-    dS_out, dS0 = walks.state_gradients(x, b, dS_final)
-    if hasattr(walks, "chunk_gradients"):  # the kernels' chunk-local backward (dg already summed)
-        dq, dk, dv, dg, dbeta = walks.chunk_gradients(x, b, S_in, dS_out)
-    else:
-        dq, dk, dv, dgc, dbeta = reference.chunk_backward_in_blocks(x, b, S_in, dS_out, block_chunks)
-        dg = reference.gate_gradient(dgc)
+    dS_out, dS0 = reference.reverse_walk(x, b, dS_final)
+    dq, dk, dv, dgc, dbeta = reference.chunk_backward_in_blocks(x, b, S_in, dS_out, block_chunks)
+    dg = reference.gate_gradient(dgc)
 
     B, Hqk = q.shape[0], q.shape[2]
 
@@ -119,14 +115,14 @@ def backward(q, k, v, g, beta, scale, initial_state, plan: SegmentPlan, do, dht,
     return dq, dk, dv, dg, dbeta, dh0
 
 
-def entering_state_gradient(q, k, v, g, beta, scale, do, walks=reference.ReferenceWalks):
+def entering_state_gradient(q, k, v, g, beta, scale, do):
     """dS0 of one whole sequence [1, T] when the gradient of its final state is zero: the reverse walk
     alone (no state recompute, no chunk-local gradients). Inter-card CP's D_p (flashqla/cp/inter.py)."""
     plan = make_plan(1, q.shape[1], None, 0)
     p = _Prepared(q, k, v, g, beta, None, plan)
     dO = p.grid.gather(_flat(do).to(p.x.q.dtype)).movedim(3, 2)
     b = reference.backward_terms(p.x, dO, scale)
-    _, dS0 = walks.state_gradients(p.x, b, torch.zeros_like(p.S0_sequences))
+    _, dS0 = reference.reverse_walk(p.x, b, torch.zeros_like(p.S0_sequences))
     return dS0
 
 

@@ -1,26 +1,28 @@
-"""TileLang SM90 (Hopper) forward kernels for GDN chunked prefill.
+"""TileLang SM90 (Hopper) kernels for GDN chunked prefill, forward and backward.
 
 Dispatch contract (flashqla/ops/backends.py):
     unsupported_reason(q, k, v, g, beta, initial_state, cu_seqlens) -> str | None
     chunk_gdn_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens) -> (o, ht | None)
+    chunk_gdn_bwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht) -> (dq, dk, dv, dg, dbeta, dh0)
 
 Forward, three launches: `wy_inverse` (W, U and the chunk-local cumsum of g, per chunk and v-head),
 `chunk_states` (the serial state walk per sequence, v-head and V tile), `chunk_output` (all chunks at
 once). Backward (`chunk_gdn_bwd`, backward.py): `wy_inverse` and `chunk_states` again, the reverse walk
-`chunk_dstates`, then `chunk_bwd_local` (every chunk's gradients at once). Intra-card CP segments run the
-backward on the reference's chunk grid with the same kernels (`KernelWalks`). Nothing here imports
-tilelang or touches CUDA at import time; kernels compile on first use (or load from TileLang's cache).
+`chunk_dstates`, then `chunk_bwd_local` (every chunk's gradients at once). Intra-card and inter-card CP
+(flashqla/cp) compose the same pieces: prepare, walk, summaries, output, state_gradients, backward_of.
+Nothing here imports tilelang or touches CUDA at import time; kernels compile on first use (or load
+from TileLang's cache).
 """
 from __future__ import annotations
 
 import torch
 
-from .backward import chunk_gdn_bwd
-from .grid_walks import KernelWalks
+from .backward import (backward_of, chunk_gdn_bwd, entering_state_gradients, scaled_output_gradient,
+                       state_gradients)
 from .launch import HEAD_DIM, block_v_for, chunk_gdn_fwd, output, prepare, summaries, walk
 
-__all__ = ["unsupported_reason", "chunk_gdn_fwd", "chunk_gdn_bwd", "block_v_for", "KernelWalks", "prepare", "walk", "summaries",
-           "output"]
+__all__ = ["unsupported_reason", "chunk_gdn_fwd", "chunk_gdn_bwd", "block_v_for", "prepare", "walk", "summaries",
+           "output", "state_gradients", "backward_of", "scaled_output_gradient", "entering_state_gradients"]
 
 _DTYPES = (torch.bfloat16, torch.float16)
 

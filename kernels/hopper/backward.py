@@ -7,12 +7,54 @@
 
 Nothing of the forward is saved but its inputs. Host work: dOs = scale dO, the GQA sums of dq and dk,
 and casts to the input dtypes. Sequences of any length, GQA, initial state and dht as in the forward.
+Intra-card CP (flashqla/cp/segments.py) runs the same steps with its segments as the sequences.
 """
 from __future__ import annotations
 
 import torch
 
-from .launch import HEAD_DIM, block_v_on, compiled_chunk_bwd_local, compiled_chunk_dstates, prepare, walk
+from .launch import HEAD_DIM, ChunkedCall, block_v_on, compiled_chunk_bwd_local, compiled_chunk_dstates, prepare, walk
+
+
+def scaled_output_gradient(x: ChunkedCall, do: torch.Tensor, scale: float) -> torch.Tensor:
+    """dOs = scale dO as the kernels read it: [T, Hv, 128] in the input dtype."""
+    return (do.reshape(x.w.shape) * scale).to(x.w.dtype)
+
+
+def state_gradients(x: ChunkedCall, dos: torch.Tensor, dht):
+    """chunk_dstates over every sequence of `x` from dht (fp32 [N, Hv, 128, 128], or None for zero):
+    (dh [chunk_slots, Hv, 128, 128] in the input dtype, dS0 fp32 [N, Hv, 128, 128])."""
+    N, Hv, device, D = x.num_seqs, x.num_v_heads, x.q.device, HEAD_DIM
+    dh = torch.empty(x.chunk_slots, Hv, D, D, dtype=x.w.dtype, device=device)
+    placeholder = torch.empty(1, D, D, dtype=torch.float32, device=device)
+    dht_arg = placeholder if dht is None else dht.float().reshape(N * Hv, D, D).contiguous()
+    dS0 = torch.empty(N, Hv, D, D, dtype=torch.float32, device=device)
+    compiled_chunk_dstates(x.dtype, block_v_on(device, N, Hv))(
+        x.q, x.k, x.w, dos, x.gcum, x.cu, x.offsets, dht_arg, dh, dS0.view(N * Hv, D, D), int(dht is not None), 1)
+    return dh, dS0
+
+
+def backward_of(x: ChunkedCall, q, k, v, g, beta, dos, h0, dht):
+    """Gradients of the sequences of `x` (prepared with store_a) from dOs, their initial states h0 and the
+    gradients dht of their final states (fp32 [N, Hv, 128, 128] or None): (dq, dk, dv, dg, dbeta) shaped
+    and typed like q, k, v, g, beta, and dS0 fp32 [N, Hv, 128, 128]."""
+    B, T, Hqk, D = q.shape
+    Hv = v.shape[2]
+    device = q.device
+    h, _, _ = walk(x, h0, store_final=False)
+    dh, dS0 = state_gradients(x, dos, dht)
+    dq, dk, dv = (torch.empty(B * T, Hv, D, dtype=torch.float32, device=device) for _ in range(3))
+    dg = torch.empty(Hv, B * T, dtype=torch.float32, device=device)
+    dbeta = torch.empty(B * T, Hv, dtype=torch.float32, device=device)
+    compiled_chunk_bwd_local(x.dtype)(
+        x.q, x.k, v.reshape(B * T, Hv, D), dos, x.Ab, x.gcum, beta.reshape(B * T, Hv).float(), h, dh, x.cu,
+        x.offsets, dq, dk, dv, dg, dbeta, x.num_seqs.bit_length())
+
+    def qk_heads(dx):  # v-head h read k-head h // (Hv / Hqk): sum each group
+        return dx.view(B, T, Hqk, Hv // Hqk, D).sum(3)
+
+    return (qk_heads(dq).to(q.dtype), qk_heads(dk).to(k.dtype), dv.view(v.shape).to(v.dtype),
+            dg.t().reshape(g.shape).to(g.dtype), dbeta.view(beta.shape).to(beta.dtype), dS0)
 
 
 def chunk_gdn_bwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht):
@@ -21,31 +63,13 @@ def chunk_gdn_bwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht):
     Shapes and dtypes as chunk_gdn_fwd's inputs (validated, contiguous); do [B, T, Hv, 128]; dht fp32
     [N, Hv, 128, 128] or None. dh0 is None without an initial state.
     """
-    B, T, Hqk, D = q.shape
-    Hv = v.shape[2]
     x = prepare(q, k, v, g, beta, cu_seqlens, store_a=True)
-    N, device = x.num_seqs, q.device
-    h, _, _ = walk(x, initial_state, store_final=False)
+    *grads, dS0 = backward_of(x, q, k, v, g, beta, scaled_output_gradient(x, do, scale), initial_state, dht)
+    return (*grads, None if initial_state is None else dS0.to(initial_state.dtype))
 
-    dos = (do.reshape(B * T, Hv, D) * scale).to(q.dtype)
-    dh = torch.empty_like(h)
-    placeholder = torch.empty(1, D, D, dtype=torch.float32, device=device)
-    dht_arg = placeholder if dht is None else dht.float().reshape(N * Hv, D, D).contiguous()
-    dh0 = placeholder if initial_state is None else torch.empty(N * Hv, D, D, dtype=torch.float32, device=device)
-    compiled_chunk_dstates(x.dtype, block_v_on(device, N, Hv))(
-        x.q, x.k, x.w, dos, x.gcum, x.cu, x.offsets, dht_arg, dh, dh0, int(dht is not None),
-        int(initial_state is not None))
 
-    dq, dk, dv = (torch.empty(B * T, Hv, D, dtype=torch.float32, device=device) for _ in range(3))
-    dg = torch.empty(Hv, B * T, dtype=torch.float32, device=device)
-    dbeta = torch.empty(B * T, Hv, dtype=torch.float32, device=device)
-    compiled_chunk_bwd_local(x.dtype)(
-        x.q, x.k, v.view(B * T, Hv, D), dos, x.Ab, x.gcum, beta.reshape(B * T, Hv).float(), h, dh, x.cu, x.offsets,
-        dq, dk, dv, dg, dbeta, N.bit_length())
-
-    def qk_heads(dx):  # v-head h read k-head h // (Hv / Hqk): sum each group
-        return dx.view(B, T, Hqk, Hv // Hqk, D).sum(3)
-
-    return (qk_heads(dq).to(q.dtype), qk_heads(dk).to(k.dtype), dv.view(v.shape).to(v.dtype),
-            dg.t().reshape(g.shape).to(g.dtype), dbeta.view(beta.shape).to(beta.dtype),
-            None if initial_state is None else dh0.view(N, Hv, D, D).to(initial_state.dtype))
+def entering_state_gradients(q, k, v, g, beta, scale, cu_seqlens, do):
+    """dS0 of every sequence when the gradients of their final states are zero: the reverse walk alone
+    (no state recompute, no chunk-local gradients); fp32 [N, Hv, 128, 128]. Inter-card CP's D_p."""
+    x = prepare(q, k, v, g, beta, cu_seqlens)
+    return state_gradients(x, scaled_output_gradient(x, do, scale), None)[1]

@@ -1,5 +1,6 @@
-"""Gradients of the public op on backend="tilelang" (kernel walks + chunk-local torch math) against a
-float64 token recurrence differentiated by autograd (skips without an SM90 GPU).
+"""Gradients of the public op on backend="tilelang" (the kernel backward, kernels/hopper/backward.py, and its
+intra-card CP composition, flashqla/cp/segments.py) against a float64 token recurrence differentiated by
+autograd (skips without an SM90 GPU).
 
 Metric: relative L2 error per gradient; bf16 thresholds from DEVELOPERS.md: dq, dk, dv, dh0 <= 1e-2,
 dg, dbeta <= 2e-2. Gates are drawn like real models (make_call: g = -A softplus(x + dt_bias), one head at
@@ -87,8 +88,9 @@ def test_fp16_inputs(poisoned_outputs):
     assert_grads_match(make_call([1, 190, 64], 4, 16, dtype=torch.float16, seed=5))
 
 
-def test_forced_intra_card_segments(poisoned_outputs):
-    assert_grads_match(make_call([700, 65, 1, 500], 2, 8, seed=6), intra_cp=3)
+@pytest.mark.parametrize("cp_warmup", [None, -10.0])
+def test_forced_intra_card_segments(cp_warmup, poisoned_outputs):
+    assert_grads_match(make_call([700, 65, 1, 500], 2, 8, seed=6), intra_cp=3, cp_warmup=cp_warmup)
 
 
 def test_32k_sequence_against_float64_chunked_reference():
