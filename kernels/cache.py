@@ -11,10 +11,19 @@ the package at `flashqla/kernels/prebuilt/` or named by FLASHQLA_PREBUILT_KERNEL
 them). On the first compile in a process, entries missing from TileLang's cache (TILELANG_CACHE_DIR,
 default ~/.tilelang/cache) are copied into it the same way TileLang writes them, so the prebuilt tree
 may sit on a read-only path and TileLang's own JIT fallback keeps a writable cache.
+
+TileLang finds an entry by a hash of the kernel's PrimFunc, so even a cache hit first builds the
+PrimFunc from the Python kernel (TileLang parses and re-compiles every macro: ~0.1-1 s per kernel).
+flashqla keeps its own index next to the entries, `<version>/<platform>/flashqla-index/`: per kernel
+label, compile arguments, TileLang version and a digest of the kernel sources, the entry's key and the
+PrimFunc serialised by TVM. A hit loads the entry from those without running the builder; anything
+unexpected falls back to the normal path, which (re)writes the index.
 """
 from __future__ import annotations
 
 import functools
+import gzip
+import hashlib
 import json
 import logging
 import os
@@ -27,7 +36,9 @@ log = logging.getLogger("flashqla.kernels")
 
 PREBUILT_ENV = "FLASHQLA_PREBUILT_KERNELS"
 PACKAGED_PREBUILT = Path(__file__).resolve().parent / "prebuilt"
+KERNEL_SOURCES = Path(__file__).resolve().parent / "hopper"
 MANIFEST = "manifest.json"
+INDEX_DIR = "flashqla-index"
 _OFF = ("0", "off", "false", "no", "none")
 
 
@@ -70,6 +81,8 @@ def seed(prebuilt: Path, cache: Path) -> int:
     publishes the same entry first, the rename fails and this copy is dropped.
     """
     copied = 0
+    for index in prebuilt.glob(f"*/*/{INDEX_DIR}/*.json.gz"):
+        _copy_atomically(index, cache / index.relative_to(prebuilt))
     for relative, source in entries(prebuilt).items():
         target = cache / relative
         if target.exists():
@@ -88,6 +101,16 @@ def seed(prebuilt: Path, cache: Path) -> int:
         finally:
             shutil.rmtree(staging, ignore_errors=True)
     return copied
+
+
+def _copy_atomically(source: Path, target: Path) -> None:
+    """A small file copied under a unique name and renamed into place (readers never see half of it)."""
+    if target.exists():
+        return
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = target.with_name(f".{target.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    shutil.copyfile(source, staging)
+    os.replace(staging, target)
 
 
 @functools.lru_cache(maxsize=None)
@@ -130,22 +153,89 @@ def _why_compiled(prebuilt: Path | None, missing_reason: str | None, entry: Path
     return f"the prebuilt kernels in {prebuilt} do not include this configuration"
 
 
-def compile_kernel(prim_func, label: str, **compile_args):
-    """`tilelang.compile(prim_func, **compile_args)` after seeding TileLang's cache from the prebuilt kernels.
+@functools.lru_cache(maxsize=None)
+def _sources_digest() -> str:
+    """sha256 over the kernel sources: an index written by other kernel code never matches."""
+    digest = hashlib.sha256()
+    for path in sorted(KERNEL_SOURCES.glob("*.py")):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()
 
-    A load from the cache is silent; a real compile is logged once (the caller caches the result per
-    configuration) with its duration and the reason no prebuilt kernel served it.
+
+def index_key(label: str, compile_args: dict) -> str:
+    import tilelang
+    from tilelang.transform.pass_config import normalize_pass_configs
+
+    args = {**compile_args, "pass_configs": normalize_pass_configs(compile_args.get("pass_configs"))}
+    fields = [label, json.dumps(args, sort_keys=True, default=str), tilelang.__version__, _sources_digest()]
+    return hashlib.sha256(json.dumps(fields).encode()).hexdigest()
+
+
+def _load_indexed(cache: Path, key: str, compile_args: dict):
+    """The kernel the index names under `key`, loaded without building its PrimFunc; None on any miss."""
+    found = list(cache.glob(f"*/*/{INDEX_DIR}/{key}.json.gz"))
+    if len(found) != 1:
+        return None
+    try:
+        record = json.loads(gzip.decompress(found[0].read_bytes()))
+        entry = found[0].parent.parent / "kernels" / record["entry"]
+        if not is_complete(entry):
+            return None
+        from tilelang import tvm
+        from tilelang.cache import _resolve_cache_dispatch
+        from tilelang.transform.pass_config import normalize_pass_configs
+
+        # TileLang's own loader for this target's execution backend (tilelang.compile's path, minus the key)
+        loader, context, _ = _resolve_cache_dispatch(compile_args.get("target"), None, None, False)
+        kernel = loader._load_kernel_from_disk(
+            record["entry"], context, None, normalize_pass_configs(compile_args.get("pass_configs")), None,
+            tvm.ir.load_json(record["prim_func"]), False)
+    except Exception as exc:  # a stale or foreign index entry: the normal path decides
+        log.debug("flashqla: index entry %s not usable (%s: %s)", found[0], exc.__class__.__name__, exc)
+        return None
+    if kernel is not None and entry_of(kernel) == entry:
+        return kernel
+    return None
+
+
+def _write_index(key: str, label: str, prim_func, entry: Path) -> None:
+    from tilelang import tvm
+
+    record = {"label": label, "entry": entry.name, "prim_func": tvm.ir.save_json(prim_func)}
+    target = entry.parents[1] / INDEX_DIR / f"{key}.json.gz"
+    staging = target.with_name(f".{target.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        staging.write_bytes(gzip.compress(json.dumps(record).encode(), 6))
+        os.replace(staging, target)
+    except OSError as exc:  # a read-only cache still serves its entries
+        log.debug("flashqla: could not write the kernel index %s (%s)", target, exc)
+
+
+def compile_kernel(build, label: str, **compile_args):
+    """`tilelang.compile(build(), **compile_args)` after seeding TileLang's cache from the prebuilt kernels.
+
+    `build` makes the PrimFunc; it does not run when flashqla's index knows the cache entry (see the
+    module docstring). A load from the cache is silent; a real compile is logged once (the caller caches
+    the result per configuration) with its duration and the reason no prebuilt kernel served it.
     """
     import tilelang
 
     cache = tilelang_cache_dir()
     prebuilt = prebuilt_dir()
     missing_reason = _seed_once(prebuilt, cache)
+    key = index_key(label, compile_args)
+    kernel = _load_indexed(cache, key, compile_args)
+    if kernel is not None:
+        return kernel
     present = {entry.relative_to(cache) for entry in cache.glob("*/*/kernels/*")}  # names only: cheap
     start = time.perf_counter()
+    prim_func = build()
     kernel = tilelang.compile(prim_func, **compile_args)
     entry = entry_of(kernel)
     if entry is None or relative_entry(entry) not in present:
         log.warning("flashqla: JIT-compiled %s in %.1f s: %s", label, time.perf_counter() - start,
                     _why_compiled(prebuilt, missing_reason, entry))
+    if entry is not None:
+        _write_index(key, label, prim_func, entry)
     return kernel

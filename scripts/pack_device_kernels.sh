@@ -15,6 +15,11 @@ $python -m flashqla precompile --dtypes "${DTYPES:-bf16,fp16}" --no-progress 2>/
   mkdir -p "$work/$(dirname "$relative")"
   cp -r "$entry" "$work/$relative"
 done
+# flashqla's cache index (kernels/cache.py): the records that let a process load without building
+for index in "$TILELANG_CACHE_DIR"/*/*/flashqla-index; do
+  relative=${index#"$TILELANG_CACHE_DIR"/}
+  mkdir -p "$work/$relative" && cp "$index"/*.json.gz "$work/$relative/"
+done
 mkdir -p "$out"
 tar cf - -C "$work" . | xz -T2 -6 > "$out/kernels.tar.xz"
 echo "$(find "$work" -mindepth 4 -maxdepth 4 -type d | wc -l) kernels -> $out/kernels.tar.xz ($(du -h "$out/kernels.tar.xz" | cut -f1))"

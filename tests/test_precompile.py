@@ -43,6 +43,14 @@ JITKernel._compile_and_create_adapter = refuse
 nvcc.compile_cuda = refuse
 """
 
+# with the kernel builders replaced by functions that raise: a load must come from flashqla's cache index
+REFUSE_BUILDING = """
+import importlib
+for name in ("wy_inverse", "chunk_output", "chunk_states", "fused_fwd", "chunk_dstates", "chunk_bwd_local"):
+    module = importlib.import_module(f"flashqla.kernels.hopper.{name}")
+    setattr(module, f"build_{name}", refuse)
+"""
+
 # loads every kernel configuration of dtype argv[1] (only the builders named in argv[2:], if any)
 LOAD = REFUSE_COMPILING + """
 from flashqla.kernels import cache
@@ -71,7 +79,7 @@ def add_one(A: T.Tensor((1024,), "float32"), B: T.Tensor((1024,), "float32")):
             B[bx * 128 + i] = A[bx * 128 + i] + 1.0
 
 def compile_small():
-    return cache.entry_of(cache.compile_kernel(add_one, "add_one", target=TARGET))
+    return cache.entry_of(cache.compile_kernel(lambda: add_one, "add_one", target=TARGET))
 """
 
 # waits for the test to say go (so every racer compiles at the same moment), then compiles
@@ -144,6 +152,53 @@ def test_precompiled_kernels_load_in_a_fresh_process_without_compiling(precompil
     assert "JIT-compiled" not in stderr
 
 
+def test_the_cache_index_loads_every_kernel_without_building_its_prim_func(precompiled, tmp_path):
+    """precompile wrote flashqla's index next to the entries; a fresh process then never runs a builder."""
+    _, results = precompiled
+    indexed = list(SHARED_CACHE.glob(f"*/*/{cache.INDEX_DIR}/*.json.gz"))
+    assert len(indexed) >= len(results)
+    env = {"TILELANG_CACHE_DIR": str(SHARED_CACHE), cache.PREBUILT_ENV: "off"}
+    loaded, _ = _finish(_start(LOAD.replace("from flashqla.kernels import cache", REFUSE_BUILDING
+                                            + "from flashqla.kernels import cache", 1), DTYPE, env=env,
+                               workdir=tmp_path))
+    assert {k: v[0] for k, v in loaded.items()} == {r.kernel: str(cache.relative_entry(r.entry)) for r in results}
+    print("\nload through the index, s: " + ", ".join(f"{k} {v[1]:.3f}" for k, v in sorted(loaded.items())))
+
+
+PRELOAD = REFUSE_COMPILING + REFUSE_BUILDING + """
+import flashqla
+from flashqla.kernels.hopper import launch
+reason = flashqla.preload_kernels("bf16")
+print(json.dumps([reason, launch.compiled_chunk_bwd_local.cache_info().currsize,
+                  launch.compiled_fused_fwd.cache_info().currsize]))
+"""
+
+
+def test_preload_kernels_loads_every_configuration_of_a_dtype_from_the_index(precompiled, tmp_path):
+    env = {"TILELANG_CACHE_DIR": str(SHARED_CACHE), cache.PREBUILT_ENV: "off"}
+    (reason, bwd_local, fused), _ = _finish(_start(PRELOAD, env=env, workdir=tmp_path))
+    assert reason is None and bwd_local == 1 and fused == len(launch.BLOCK_V_CHOICES)
+
+
+STALE_INDEX = SMALL_KERNEL + """
+import gzip, json
+first = compile_small()
+[record_path] = [p for p in cache.tilelang_cache_dir().glob(f"*/*/{cache.INDEX_DIR}/*.json.gz")
+                 if json.loads(gzip.decompress(p.read_bytes()))["label"] == "add_one"]
+record = json.loads(gzip.decompress(record_path.read_bytes()))
+record_path.write_bytes(gzip.compress(json.dumps({**record, "entry": "0" * 64}).encode()))
+second = compile_small()
+rewritten = json.loads(gzip.decompress(record_path.read_bytes()))["entry"]
+print(json.dumps([first.name, second.name, rewritten]))
+"""
+
+
+def test_an_index_record_naming_a_missing_entry_falls_back_and_is_rewritten(tmp_path):
+    env = {"TILELANG_CACHE_DIR": str(SHARED_CACHE), cache.PREBUILT_ENV: "off"}
+    (first, second, rewritten), _ = _finish(_start(STALE_INDEX, env=env, workdir=tmp_path))
+    assert first == second == rewritten
+
+
 def test_racing_processes_seed_an_empty_cache_from_prebuilt_kernels_and_load_them(precompiled, tmp_path):
     """Ranks that start at once copy the prebuilt kernels into one fresh TileLang cache, then load them."""
     _, results = precompiled
@@ -155,6 +210,8 @@ def test_racing_processes_seed_an_empty_cache_from_prebuilt_kernels_and_load_the
         assert {k: v[0] for k, v in loaded.items()} == {r.kernel: str(cache.relative_entry(r.entry)) for r in results}
     copied = set(cache.entries(tmp_path / "cache"))
     assert copied == set(cache.entries(SHARED_CACHE))
+    index = f"*/*/{cache.INDEX_DIR}/*.json.gz"
+    assert {p.name for p in (tmp_path / "cache").glob(index)} >= {p.name for p in SHARED_CACHE.glob(index)}
     assert sum("copied" in stderr for _, stderr in outputs) >= 1
     assert _staged_leftovers(tmp_path / "cache") == []
 

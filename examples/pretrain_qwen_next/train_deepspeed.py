@@ -134,6 +134,10 @@ def main():
         mpu = UlyssesSPAttentionHF.register_with_transformers(model, attn, sp, micro_batch_size=1)
     if args.impl == "flashqla":
         fds.enable_gdn_sequence_parallel(model, mpu)  # flashqla's GDN layers in, before the optimizer sees parameters
+        if torch.cuda.is_available():
+            import flashqla
+
+            flashqla.preload_kernels("bf16")  # TileLang's import and the kernel loads now, not in step 1
     elif sp > 1:
         raise SystemExit("--impl fla runs transformers' own GDN layers, which are not sequence parallel: use --sp 1")
     num_params = check_fits(model, seq_len, sp, config, args.checkpoint_activations)

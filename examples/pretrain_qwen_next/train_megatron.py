@@ -231,6 +231,10 @@ def main(argv=None):
         print(f"{args.size}: {num_params / 1e6:.1f}M parameters on rank 0 ({args.impl} GDN), {seq_len} tokens per row, "
               f"TP {args.tp} x CP {cp} x DP {dp_size}, {len(rows)} rows of data; steps {step} -> {args.steps}")
 
+    if args.impl == "flashqla" and args.kernel_backend != "torch" and torch.cuda.is_available():
+        import flashqla
+
+        flashqla.preload_kernels("bf16")  # TileLang's import and the kernel loads now, not in step 1
     loss_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
     device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=torch.cuda.is_available())

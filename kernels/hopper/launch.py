@@ -26,13 +26,17 @@ def _pass_configs():
     return {tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True}
 
 
+def _compile(build, label: str, *args):
+    """compile_kernel for `build(*args)` (built only when the cache index does not know it) on TARGET."""
+    return compile_kernel(functools.partial(build, *args), label, target=TARGET, pass_configs=_pass_configs())
+
+
 @functools.lru_cache(maxsize=None)
 def compiled_wy_inverse(dtype: str):
     """The compiled wy_inverse kernel for `dtype`: prebuilt, from TileLang's disk cache, or JIT (kernels/cache.py)."""
     from .wy_inverse import build_wy_inverse
 
-    return compile_kernel(build_wy_inverse(dtype), f"wy_inverse({dtype})", target=TARGET,
-                          pass_configs=_pass_configs())
+    return _compile(build_wy_inverse, f"wy_inverse({dtype})", dtype)
 
 
 @functools.lru_cache(maxsize=None)
@@ -40,8 +44,7 @@ def compiled_fused_fwd(dtype: str, block_v: int):
     """The compiled fused forward kernel for `dtype` and V tile width `block_v`."""
     from .fused_fwd import build_fused_fwd
 
-    return compile_kernel(build_fused_fwd(dtype, block_v), f"fused_fwd({dtype}, block_v={block_v})", target=TARGET,
-                          pass_configs=_pass_configs())
+    return _compile(build_fused_fwd, f"fused_fwd({dtype}, block_v={block_v})", dtype, block_v)
 
 
 @functools.lru_cache(maxsize=None)
@@ -49,8 +52,7 @@ def compiled_chunk_states(dtype: str, block_v: int):
     """The compiled state walk (chunk_states.py) for `dtype` and V tile width `block_v`."""
     from .chunk_states import build_chunk_states
 
-    return compile_kernel(build_chunk_states(dtype, block_v), f"chunk_states({dtype}, block_v={block_v})",
-                          target=TARGET, pass_configs=_pass_configs())
+    return _compile(build_chunk_states, f"chunk_states({dtype}, block_v={block_v})", dtype, block_v)
 
 
 @functools.lru_cache(maxsize=None)
@@ -58,8 +60,7 @@ def compiled_chunk_output(dtype: str):
     """The compiled chunk-parallel output kernel (chunk_output.py) for `dtype`."""
     from .chunk_output import build_chunk_output
 
-    return compile_kernel(build_chunk_output(dtype), f"chunk_output({dtype})", target=TARGET,
-                          pass_configs=_pass_configs())
+    return _compile(build_chunk_output, f"chunk_output({dtype})", dtype)
 
 
 @functools.lru_cache(maxsize=None)
@@ -67,8 +68,7 @@ def compiled_chunk_dstates(dtype: str, block_v: int):
     """The compiled reverse state-gradient walk (chunk_dstates.py) for `dtype` and `block_v`."""
     from .chunk_dstates import build_chunk_dstates
 
-    return compile_kernel(build_chunk_dstates(dtype, block_v), f"chunk_dstates({dtype}, block_v={block_v})",
-                          target=TARGET, pass_configs=_pass_configs())
+    return _compile(build_chunk_dstates, f"chunk_dstates({dtype}, block_v={block_v})", dtype, block_v)
 
 
 @functools.lru_cache(maxsize=None)
@@ -76,8 +76,7 @@ def compiled_chunk_bwd_local(dtype: str):
     """The compiled chunk-local backward (chunk_bwd_local.py) for `dtype`."""
     from .chunk_bwd_local import build_chunk_bwd_local
 
-    return compile_kernel(build_chunk_bwd_local(dtype), f"chunk_bwd_local({dtype})", target=TARGET,
-                          pass_configs=_pass_configs())
+    return _compile(build_chunk_bwd_local, f"chunk_bwd_local({dtype})", dtype)
 
 
 def kernel_configs(dtypes=KERNEL_DTYPES):
