@@ -20,7 +20,7 @@ setup(
     install_requires=["torch>=2.4"],
     # kernels compiled for sm_90a by `flashqla precompile --cache-dir kernels/prebuilt` before building
     # the wheel (docs/prebuilt_kernels.md); copied into TileLang's cache on first use
-    package_data={"flashqla.kernels": ["prebuilt/*/*/kernels/*/*"]},
+    package_data={"flashqla.kernels": ["prebuilt/*/*/kernels/*/*", "prebuilt/*/*/flashqla-index/*.json.gz"]},
     entry_points={"console_scripts": ["flashqla = flashqla.cli:main"]},
     extras_require={
         # the tests compile every kernel configuration for sm_90a (nvcc only, no GPU needed)
