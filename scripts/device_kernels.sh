@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # One H200 session for the TileLang kernels: GPU tests, cold-compile time, forward and backward benchmarks.
 # Run from the repo root on the device machine with `.devsite` and `.devkernels` (or `.tilelang_cache`)
-# carried; logs go to $OUT. Usage: scripts/device_kernels.sh [tests|cold|bench|bwd|profile|all] [extra bench_gdn.py arguments...]
+# carried; logs go to $OUT. Usage: scripts/device_kernels.sh [tests|cold|bench|bwd|profile|layer|all] [extra bench_gdn.py arguments...]
 #   tests: tests/gpu (first-call latency included: it starts fresh processes with empty JIT caches)
 #   bench: bench_gdn.py (pass e.g. --cp-sweep 32,64,128,256 --flashqla-configs none)
 #   profile: profile_gdn.py step (PROFILE_ARGS) and first-call in a fresh process on an empty cache
+#   layer: megatron_gdn_layer.py, Megatron's FLA GDN layer vs flashqla's (parity and time, 1 GPU)
 #   bwd:   bench_bwd.py (BWD_ARGS, e.g. --quick), flashqla vs FLA (FlashQLA's backward JIT-compiles for minutes: left out)
 set -uo pipefail
 what=${1:-all}
@@ -58,4 +59,9 @@ if [[ $what == profile || $what == all ]]; then
   timeout 120 python3 benchmarks/profile_gdn.py step ${PROFILE_ARGS:-} 2>&1 | tee "$OUT/profile_step.log" | grep -v "^\s*$" | head -120
   FLASHQLA_PREBUILT_KERNELS=$TILELANG_CACHE_DIR TILELANG_CACHE_DIR=/tmp/first_call_cache timeout 120 \
     python3 benchmarks/profile_gdn.py first-call --top 45 2>&1 | tee "$OUT/profile_first_call.log" | head -80
+fi
+
+if [[ $what == layer || $what == all ]]; then
+  NCCL_NVLS_ENABLE=0 timeout 300 python3 -m torch.distributed.run --standalone --nproc-per-node 1 \
+    benchmarks/megatron_gdn_layer.py 2>&1 | tee "$OUT/megatron_layer.log" | grep -v "Warning\|warn" | tail -30
 fi
