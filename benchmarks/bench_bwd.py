@@ -7,7 +7,7 @@ eager runs timed with CUDA events (flashqla's backward builds its chunk grid on 
 graph-captured; the peers are timed the same way for a like-for-like number). Also reported: the peak
 memory the backward adds on top of the forward's saved tensors.
 
-    python benchmarks/bench_bwd.py [--impls flashqla,fla,flash_qla] [--reps 10] [--out docs/benchmarks_bwd.md]
+    python benchmarks/bench_bwd.py [--impls flashqla,flashqla_cp,fla,flash_qla] [--reps 10] [--out docs/benchmarks_bwd.md]
 
 FlashQLA 0.1.3 JIT-compiles its backward for minutes on first use per configuration; leave it out of
 --impls on a short device session.
@@ -36,11 +36,12 @@ SEQS = [1, 2, 4, 8]
 
 def forward_fn(impl):
     """impl -> f(q, k, v, g, beta, cu) -> o, through the implementation's autograd entry point."""
-    if impl == "flashqla":
+    if impl in ("flashqla", "flashqla_cp"):  # flashqla_cp: intra-card CP as "auto" plans it
         import flashqla
 
+        intra_cp = "auto" if impl == "flashqla_cp" else "off"
         return lambda q, k, v, g, beta, cu: flashqla.chunk_gated_delta_rule(
-            q, k, v, g, beta, cu_seqlens=cu, backend="tilelang", intra_cp="off")[0]
+            q, k, v, g, beta, cu_seqlens=cu, backend="tilelang", intra_cp=intra_cp)[0]
     if impl == "fla":
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
