@@ -43,8 +43,8 @@ torchrun2=($PY -m torch.distributed.run --standalone --nproc-per-node 2)
 
 case $what in
 one)
-  run mg_small_fla 170 "${torchrun1[@]}" $EX/train_megatron.py "${small[@]}" --steps $steps --impl fla
-  run mg_small_flashqla 170 "${torchrun1[@]}" $EX/train_megatron.py "${small[@]}" --steps $steps --impl flashqla
+  run mg_small_fla 320 "${torchrun1[@]}" $EX/train_megatron.py "${small[@]}" --steps $steps --impl fla
+  run mg_small_flashqla 150 "${torchrun1[@]}" $EX/train_megatron.py "${small[@]}" --steps $steps --impl flashqla
   runs=(mg_small_fla mg_small_flashqla)
   if [[ -n ${DS_PAIR:-} ]]; then
     run ds_small_flashqla 120 "${torchrun1[@]}" $EX/train_deepspeed.py "${small[@]}" --steps $short --config $ds_gpu --impl flashqla
