@@ -116,9 +116,10 @@ def segmented_backward(hopper, q, k, v, g, beta, scale, initial_state, plan: Seg
 
     The segments' starts are recomputed as in the forward; one reverse walk from zero gives every
     segment's D_j, the fp32 mirror scan (`exit_gradients`) the gradient leaving each segment, and the
-    kernel backward then runs every segment at once from its start and its exit gradient. Heads that
-    took the warmup path in the forward get the gradient of the exact chain there (the two differ by
-    terms below e^cp_warmup, like the forward's).
+    kernel backward then runs every segment at once from its start and its exit gradient. Where the
+    forward dropped M_j S_{j,0} (warmup), the scan drops M_j^T likewise; the segment's own inputs still
+    see the whole exit gradient, i.e. the gradient of the term the forward dropped, which is below
+    e^cp_warmup of the state like the term itself.
     """
     idx = _plan_tensors(plan, q.shape[0] * q.shape[1], q.device)
     packed = _packed(idx, q, k, v, g, beta)
