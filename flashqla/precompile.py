@@ -105,10 +105,11 @@ def preload_kernels(dtypes=("bf16",)) -> str | None:
     """
     from flashqla.ops.backends import _hopper_kernels
 
+    tl_dtypes = _tilelang_dtypes(dtypes)
     hopper, reason = _hopper_kernels()
     if reason:
         return reason
-    for builder, args in hopper.launch.kernel_configs(_tilelang_dtypes(dtypes)):
+    for builder, args in hopper.launch.kernel_configs(tl_dtypes):
         builder(*args)
     return None
 
