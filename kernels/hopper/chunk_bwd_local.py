@@ -31,6 +31,8 @@ the elementwise algebra in fp32. Column sums run as a serial loop over rows of a
 """
 import tilelang.language as T
 
+from .chunk_map import sequence_of_chunk
+
 CHUNK = 64
 HEAD_DIM = 128
 LOG2E = 1.4426950408889634
@@ -43,6 +45,18 @@ def build_chunk_bwd_local(dtype: str):
     num_seqs = T.dynamic("num_seqs")
     num_chunk_slots = T.dynamic("num_chunk_slots")
     C, D = CHUNK, HEAD_DIM
+
+    @T.macro
+    def add_row_minus_column_sums(E, E_sh, rows, col, dgc_acc):
+        """dgc_acc += rowsum(E) - colsum(E); the column sums run serially over rows of E's shared copy."""
+        T.copy(E, E_sh)
+        T.reduce_sum(E, rows, dim=1)
+        T.clear(col)
+        for r in T.serial(C):
+            for s in T.Parallel(C):
+                col[s] = col[s] + E_sh[r, s]
+        for r in T.Parallel(C):
+            dgc_acc[r] = dgc_acc[r] + rows[r] - col[r]
 
     @T.prim_func
     def chunk_bwd_local(
@@ -97,17 +111,8 @@ def build_chunk_bwd_local(dtype: str):
             col = T.alloc_fragment((C,), "float32")
             Fsum = T.alloc_var("float32")
 
-            # --- which sequence and chunk this CTA owns (as in wy_inverse) ---------------------------
-            lo = T.alloc_var("int32")
-            hi = T.alloc_var("int32")
-            lo = 0
-            hi = num_seqs - 1
-            for _ in T.serial(search_steps):
-                mid = (lo + hi + 1) // 2
-                if chunk_offsets[mid] <= chunk:
-                    lo = mid
-                else:
-                    hi = mid - 1
+            # --- which sequence and chunk this CTA owns -----------------------------------------------
+            lo = sequence_of_chunk(chunk_offsets, num_seqs, chunk, search_steps)
             t0 = cu_seqlens[lo] + (chunk - chunk_offsets[lo]) * C
             n_rows = T.if_then_else(chunk < chunk_offsets[num_seqs], T.min(C, cu_seqlens[lo + 1] - t0), 0)
             last = T.max(n_rows - 1, 0)
@@ -167,14 +172,7 @@ def build_chunk_bwd_local(dtype: str):
                     E[r, s] = CC[r, s] * P[r, s]
                 for r, s in T.Parallel(C, C):
                     CC1_s[r, s] = CC[r, s] * T.if_then_else(r >= s, T.exp2(gc_sh[r] - gc_sh[s]), 0.0)
-                T.copy(E, E_sh)
-                T.reduce_sum(E, rows, dim=1)
-                T.clear(col)
-                for r in T.serial(C):
-                    for s in T.Parallel(C):
-                        col[s] = col[s] + E_sh[r, s]
-                for r in T.Parallel(C):
-                    dgc_acc[r] = dgc_acc[r] + rows[r] - col[r]
+                add_row_minus_column_sums(E, E_sh, rows, col, dgc_acc)
 
                 # dq = diag(gamma) dOs S^T + (dP o Gamma) K
                 T.gemm(dO_s, S_s, acc, transpose_B=True, clear_accum=True)
@@ -223,14 +221,7 @@ def build_chunk_bwd_local(dtype: str):
                     E[r, s] = CC[r, s] * GA_s[r, s]
                 for r, s in T.Parallel(C, C):
                     CC1_s[r, s] = CC[r, s] * T.if_then_else(r >= s, T.exp2(gc_sh[r] - gc_sh[s]), 0.0)
-                T.copy(E, E_sh)
-                T.reduce_sum(E, rows, dim=1)
-                T.clear(col)
-                for r in T.serial(C):
-                    for s in T.Parallel(C):
-                        col[s] = col[s] + E_sh[r, s]
-                for r in T.Parallel(C):
-                    dgc_acc[r] = dgc_acc[r] + rows[r] - col[r]
+                add_row_minus_column_sums(E, E_sh, rows, col, dgc_acc)
 
                 # dL = StrictLower(-A^T dA A^T); dbeta += rowsum(dL o K K^T); CC2 <- G = diag(beta) dL
                 T.gemm(A_s, CC1_s, CC, transpose_A=True, clear_accum=True)

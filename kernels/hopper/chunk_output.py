@@ -10,6 +10,8 @@ reach a stored row through 0 * NaN; K rows there only reach P entries the causal
 """
 import tilelang.language as T
 
+from .chunk_map import sequence_of_chunk
+
 CHUNK = 64
 HEAD_DIM = 128
 LOG2E = 1.4426950408889634
@@ -47,16 +49,7 @@ def build_chunk_output(dtype: str):
             O = T.alloc_fragment((C, D), "float32")
             P = T.alloc_fragment((C, C), "float32")
 
-            lo = T.alloc_var("int32")
-            hi = T.alloc_var("int32")
-            lo = 0
-            hi = num_seqs - 1
-            for _ in T.serial(search_steps):
-                mid = (lo + hi + 1) // 2
-                if chunk_offsets[mid] <= chunk:
-                    lo = mid
-                else:
-                    hi = mid - 1
+            lo = sequence_of_chunk(chunk_offsets, num_seqs, chunk, search_steps)
             start = cu_seqlens[lo] + (chunk - chunk_offsets[lo]) * C
             n_rows = T.if_then_else(chunk < chunk_offsets[num_seqs], T.min(C, cu_seqlens[lo + 1] - start), 0)
             last = T.max(n_rows - 1, 0)

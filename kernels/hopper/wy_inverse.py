@@ -31,6 +31,8 @@ Schedule (one warpgroup, 128 threads, per (chunk, v-head)):
 import tilelang
 import tilelang.language as T
 
+from .chunk_map import sequence_of_chunk
+
 CHUNK = 64
 HEAD_DIM = 128
 LOG2E = 1.4426950408889634
@@ -84,16 +86,7 @@ def build_wy_inverse(dtype: str):
             WU = T.alloc_fragment((C, D), "float32")
 
             # --- which sequence and chunk this CTA owns -------------------------------------------
-            lo = T.alloc_var("int32")
-            hi = T.alloc_var("int32")
-            lo = 0
-            hi = num_seqs - 1
-            for _ in T.serial(search_steps):
-                mid = (lo + hi + 1) // 2
-                if chunk_offsets[mid] <= chunk:
-                    lo = mid
-                else:
-                    hi = mid - 1
+            lo = sequence_of_chunk(chunk_offsets, num_seqs, chunk, search_steps)
             start = cu_seqlens[lo] + (chunk - chunk_offsets[lo]) * C
             # rows of this chunk inside the sequence (0 for CTAs past the last chunk)
             n_rows = T.if_then_else(chunk < chunk_offsets[num_seqs], T.min(C, cu_seqlens[lo + 1] - start), 0)
