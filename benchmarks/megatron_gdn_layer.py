@@ -21,6 +21,8 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from bench_gdn import eager_median_ms  # noqa: E402
+
 
 def build_layers(args):
     from megatron.core import parallel_state
@@ -56,18 +58,6 @@ def run(layer, x, grad_out, packed):
     out, _ = layer(x, None, packed_seq_params=packed)
     out.backward(grad_out)
     return out.detach(), x.grad, {n: p.grad.detach().clone() for n, p in layer.named_parameters()}
-
-
-def median_ms(fn, reps):
-    times = []
-    for _ in range(reps):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        stop.record()
-        stop.synchronize()
-        times.append(start.elapsed_time(stop))
-    return sorted(times)[len(times) // 2]
 
 
 def rel_err(a, b):
@@ -119,7 +109,8 @@ def main():
     times = {}
     for name, layer in (("flashqla", ours), ("megatron+fla", theirs)):
         forward_backward(layer)
-        times[name] = (median_ms(lambda: forward(layer), args.reps), median_ms(lambda: forward_backward(layer), args.reps))
+        times[name] = (eager_median_ms(lambda: forward(layer), args.reps),
+                       eager_median_ms(lambda: forward_backward(layer), args.reps))
     for name, (f, fb) in times.items():
         print(f"  {name:<13} fwd {f:7.3f} ms   fwd+bwd {fb:7.3f} ms")
     f_ratio = times["megatron+fla"][0] / times["flashqla"][0]
