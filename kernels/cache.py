@@ -82,7 +82,9 @@ def seed(prebuilt: Path, cache: Path) -> int:
     """
     copied = 0
     for index in prebuilt.glob(f"*/*/{INDEX_DIR}/*.json.gz"):
-        _copy_atomically(index, cache / index.relative_to(prebuilt))
+        target = cache / index.relative_to(prebuilt)
+        if not target.exists():
+            _publish(target, index.read_bytes())
     for relative, source in entries(prebuilt).items():
         target = cache / relative
         if target.exists():
@@ -103,13 +105,11 @@ def seed(prebuilt: Path, cache: Path) -> int:
     return copied
 
 
-def _copy_atomically(source: Path, target: Path) -> None:
-    """A small file copied under a unique name and renamed into place (readers never see half of it)."""
-    if target.exists():
-        return
+def _publish(target: Path, data: bytes) -> None:
+    """A small file written under a unique name and renamed into place (readers never see half of it)."""
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = target.with_name(f".{target.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}")
-    shutil.copyfile(source, staging)
+    staging.write_bytes(data)
     os.replace(staging, target)
 
 
@@ -203,11 +203,8 @@ def _write_index(key: str, label: str, prim_func, entry: Path) -> None:
 
     record = {"label": label, "entry": entry.name, "prim_func": tvm.ir.save_json(prim_func)}
     target = entry.parents[1] / INDEX_DIR / f"{key}.json.gz"
-    staging = target.with_name(f".{target.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}")
     try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        staging.write_bytes(gzip.compress(json.dumps(record).encode(), 6))
-        os.replace(staging, target)
+        _publish(target, gzip.compress(json.dumps(record).encode(), 6))
     except OSError as exc:  # a read-only cache still serves its entries
         log.debug("flashqla: could not write the kernel index %s (%s)", target, exc)
 
