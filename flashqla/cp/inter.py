@@ -13,8 +13,9 @@ the all-gather is started asynchronously and the local work that does not need S
 sequence that starts on this rank) runs while it is in flight.
 
 Backward mirrors it: for its first sequence each part computes D_p, the gradient of the state entering
-the part when the gradient leaving the part is zero (the reverse state-gradient walk alone), and M'_p (the transition product of that sequence
-inside the part, 0 if it ends there); one all-gather; then X_p = D_{p+1} + M'_{p+1}^T X_{p+1}
+the part when the gradient leaving the part is zero (the reverse state-gradient walk alone), and M'_p
+(the transition product of that sequence inside the part, 0 if it ends there); one all-gather; then
+X_p = D_{p+1} + M'_{p+1}^T X_{p+1}
 is the gradient of the state leaving part p, fed to the local backward as the last sequence's dht.
 
 Every rank joins every all-gather, whether or not it needs the result. Before the summaries, a tiny
