@@ -43,7 +43,8 @@ def backward_of(x: ChunkedCall, q, k, v, g, beta, dos, h0, dht):
     device = q.device
     h, _, _ = walk(x, h0, store_final=False)
     dh, dS0 = state_gradients(x, dos, dht)
-    dq, dk, dv = (torch.empty(B * T, Hv, D, dtype=torch.float32, device=device) for _ in range(3))
+    dq, dk = (torch.empty(B * T, Hv, D, dtype=torch.float32, device=device) for _ in range(2))
+    dv = torch.empty(B * T, Hv, D, dtype=x.w.dtype, device=device)
     dg = torch.empty(Hv, B * T, dtype=torch.float32, device=device)
     dbeta = torch.empty(B * T, Hv, dtype=torch.float32, device=device)
     compiled_chunk_bwd_local(x.dtype)(

@@ -24,7 +24,7 @@ log, converted to base 2 once, for exp2), the per-chunk states h and state gradi
 as wy_inverse does; in a partial last chunk the rows past the sequence end are zeroed after loading
 (they hold the next sequence) and their gates repeat the last one, which is exactly the zero padding of
 the reference's chunk grid. Outputs fp32, rows that exist only: dq, dk per v-head (the caller sums GQA
-groups), dv, dg [Hv, T], dbeta.
+groups), dg [Hv, T], dbeta; dv in the input dtype (it needs no further sum).
 
 256 threads; operands of the tensor-core products in the input dtype from shared memory, accumulators and
 the elementwise algebra in fp32. Column sums run as a serial loop over rows of a shared fp32 tile.
@@ -73,7 +73,7 @@ def build_chunk_bwd_local(dtype: str):
         chunk_offsets: T.Tensor((num_seqs + 1,), "int32"),
         dq: T.Tensor((num_tokens, num_v_heads, D), "float32"),
         dk: T.Tensor((num_tokens, num_v_heads, D), "float32"),
-        dv: T.Tensor((num_tokens, num_v_heads, D), "float32"),
+        dv: T.Tensor((num_tokens, num_v_heads, D), dtype),
         dg: T.Tensor((num_v_heads, num_tokens), "float32"),
         dbeta: T.Tensor((num_tokens, num_v_heads), "float32"),
         search_steps: T.int32,
@@ -118,13 +118,16 @@ def build_chunk_bwd_local(dtype: str):
             last = T.max(n_rows - 1, 0)
 
             if n_rows > 0:
-                T.copy(q[t0:t0 + C, hk, 0:D], Q_s)
-                T.copy(k[t0:t0 + C, hk, 0:D], K_s)
-                T.copy(dos[t0:t0 + C, hv, 0:D], dO_s)
-                T.copy(v[t0:t0 + C, hv, 0:D], CD1_s)
-                T.copy(A[t0:t0 + C, hv, 0:C], A_s)
-                T.copy(h[chunk, hv, 0:D, 0:D], S_s)
-                T.copy(dh[chunk, hv, 0:D, 0:D], dS_s)
+                # all seven tiles in flight at once (cp.async, bounds-checked), one wait
+                T.async_copy(q[t0:t0 + C, hk, 0:D], Q_s)
+                T.async_copy(k[t0:t0 + C, hk, 0:D], K_s)
+                T.async_copy(dos[t0:t0 + C, hv, 0:D], dO_s)
+                T.async_copy(v[t0:t0 + C, hv, 0:D], CD1_s)
+                T.async_copy(A[t0:t0 + C, hv, 0:C], A_s)
+                T.async_copy(h[chunk, hv, 0:D, 0:D], S_s)
+                T.async_copy(dh[chunk, hv, 0:D, 0:D], dS_s)
+                T.ptx_wait_group(0)
+                T.sync_threads()
                 if n_rows < C:  # rows past the sequence end: the reference grid's zero padding
                     for r, j in T.Parallel(C, D):
                         if r >= n_rows:
@@ -209,7 +212,7 @@ def build_chunk_bwd_local(dtype: str):
                 T.gemm(GA_s, dVn_s, tmp, transpose_A=True, clear_accum=True)
                 for r, j in T.Parallel(C, D):
                     if r < n_rows:
-                        dv[t0 + r, hv, j] = beta_sh[r] * tmp[r, j]
+                        dv[t0 + r, hv, j] = T.cast(beta_sh[r] * tmp[r, j], dtype)
                     CD2_s[r, j] = beta_sh[r] * tmp[r, j]
                 for r, j in T.Parallel(C, D):
                     tmp[r, j] = tmp[r, j] * Vd[r, j]

@@ -55,10 +55,12 @@ def build_chunk_output(dtype: str):
             last = T.max(n_rows - 1, 0)
 
             if n_rows > 0:
-                T.copy(q[start:start + C, hk, 0:D], Q_s)
-                T.copy(k[start:start + C, hk, 0:D], K_s)
-                T.copy(vnew[start:start + C, h, 0:D], Vn_s)
-                T.copy(h_in[chunk, h, 0:D, 0:D], S_s)
+                T.async_copy(q[start:start + C, hk, 0:D], Q_s)  # all four tiles in flight at once
+                T.async_copy(k[start:start + C, hk, 0:D], K_s)
+                T.async_copy(vnew[start:start + C, h, 0:D], Vn_s)
+                T.async_copy(h_in[chunk, h, 0:D, 0:D], S_s)
+                T.ptx_wait_group(0)
+                T.sync_threads()
                 for r in T.Parallel(C):
                     gc_sh[r] = gcum[h, start + T.min(r, last)] * LOG2E
                 if n_rows < C:

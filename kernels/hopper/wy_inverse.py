@@ -93,8 +93,10 @@ def build_wy_inverse(dtype: str):
             last = T.max(n_rows - 1, 0)
 
             # --- loads -----------------------------------------------------------------------------
-            T.copy(k[start:start + C, hk, 0:D], K_sh)
-            T.copy(v[start:start + C, h, 0:D], V_sh)
+            T.async_copy(k[start:start + C, hk, 0:D], K_sh)  # both tiles in flight at once
+            T.async_copy(v[start:start + C, h, 0:D], V_sh)
+            T.ptx_wait_group(0)
+            T.sync_threads()
             if n_rows < C:
                 for r, d in T.Parallel(C, D):
                     if r >= n_rows:
