@@ -18,16 +18,25 @@ flashqla keeps its own index next to the entries, `<version>/<platform>/flashqla
 label, compile arguments, TileLang version and a digest of the kernel sources, the entry's key and the
 PrimFunc serialised by TVM. A hit loads the entry from those without running the builder; anything
 unexpected falls back to the normal path, which (re)writes the index.
+
+A hit does not even import tilelang (1-2 s of TVM start-up): the entry's host library is loaded with
+tvm_ffi next to TileLang's TVM runtime library (which registers the loader of the embedded cubin) and
+called with the kernel's arguments, which is all TileLang's own adapter does for a kernel whose outputs
+are arguments (every flashqla kernel). Argument checks (devices, dtypes, shapes) live in that library.
 """
 from __future__ import annotations
 
+import ctypes
 import functools
 import gzip
 import hashlib
+import importlib.metadata
+import importlib.util
 import json
 import logging
 import os
 import shutil
+import sys
 import time
 import uuid
 from pathlib import Path
@@ -54,9 +63,11 @@ def prebuilt_dir() -> Path | None:
 
 def tilelang_cache_dir() -> Path:
     """The cache TileLang reads and writes now (it reads TILELANG_CACHE_DIR at every use, unexpanded)."""
-    from tilelang import env
+    if "tilelang" in sys.modules:  # its env may have been set in code
+        from tilelang import env
 
-    return Path(env.TILELANG_CACHE_DIR)
+        return Path(env.TILELANG_CACHE_DIR)
+    return Path(os.environ.get("TILELANG_CACHE_DIR", os.path.expanduser("~/.tilelang/cache")))
 
 
 def is_complete(entry: Path) -> bool:
@@ -129,8 +140,24 @@ def _seed_once(prebuilt: Path | None, cache: Path) -> str | None:
     return None
 
 
+class LoadedKernel:
+    """A cache entry's host library called through tvm_ffi with the kernel's arguments, in order."""
+
+    def __init__(self, entry: Path, module):
+        self.entry = entry
+        self._module = module
+
+    def __call__(self, *args):
+        return self._module(*args)
+
+    def get_kernel_source(self) -> str:
+        return (self.entry / "device_kernel.cu").read_text()
+
+
 def entry_of(kernel) -> Path | None:
     """The cache entry TileLang loaded `kernel` from or wrote it to (None when its cache is off)."""
+    if isinstance(kernel, LoadedKernel):
+        return kernel.entry
     path = getattr(kernel, "_tilelang_cache_path", None)
     return None if path is None else Path(path)
 
@@ -163,12 +190,28 @@ def _sources_digest() -> str:
 
 
 def index_key(label: str, compile_args: dict) -> str:
-    import tilelang
-    from tilelang.transform.pass_config import normalize_pass_configs
-
-    args = {**compile_args, "pass_configs": normalize_pass_configs(compile_args.get("pass_configs"))}
-    fields = [label, json.dumps(args, sort_keys=True, default=str), tilelang.__version__, _sources_digest()]
+    """Names a kernel's index record; computed without importing tilelang."""
+    configs = {str(getattr(k, "value", k)): v for k, v in (compile_args.get("pass_configs") or {}).items()}
+    args = {**compile_args, "pass_configs": configs}
+    fields = [label, json.dumps(args, sort_keys=True, default=str), importlib.metadata.version("tilelang"),
+              _sources_digest()]
     return hashlib.sha256(json.dumps(fields).encode()).hexdigest()
+
+
+@functools.lru_cache(maxsize=None)
+def _ffi_runtime():
+    """tvm_ffi with TileLang's TVM runtime library loaded (it registers the cubin loader), or None."""
+    try:
+        import tvm_ffi
+
+        package = importlib.util.find_spec("tilelang").submodule_search_locations[0]
+        ctypes.CDLL(str(Path(package) / "lib" / "libtvm_runtime.so"), mode=ctypes.RTLD_GLOBAL)
+        if tvm_ffi.get_global_func("ffi.Module.load_from_bytes.cuda", allow_missing=True) is None:
+            return None
+        return tvm_ffi
+    except Exception as exc:  # no tvm_ffi, another layout of the tilelang wheel: TileLang's loader then
+        log.debug("flashqla: direct kernel loading unavailable (%s: %s)", exc.__class__.__name__, exc)
+        return None
 
 
 def _load_indexed(cache: Path, key: str, compile_args: dict):
@@ -181,6 +224,9 @@ def _load_indexed(cache: Path, key: str, compile_args: dict):
         entry = found[0].parent.parent / "kernels" / record["entry"]
         if not is_complete(entry):
             return None
+        ffi = _ffi_runtime()
+        if ffi is not None:
+            return LoadedKernel(entry, ffi.load_module(str(entry / "executable.so")))
         from tilelang import tvm
         from tilelang.cache import _resolve_cache_dispatch
         from tilelang.transform.pass_config import normalize_pass_configs
@@ -216,8 +262,6 @@ def compile_kernel(build, label: str, **compile_args):
     module docstring). A load from the cache is silent; a real compile is logged once (the caller caches
     the result per configuration) with its duration and the reason no prebuilt kernel served it.
     """
-    import tilelang
-
     cache = tilelang_cache_dir()
     prebuilt = prebuilt_dir()
     missing_reason = _seed_once(prebuilt, cache)
@@ -225,6 +269,11 @@ def compile_kernel(build, label: str, **compile_args):
     kernel = _load_indexed(cache, key, compile_args)
     if kernel is not None:
         return kernel
+    try:
+        import tilelang
+    except Exception as exc:  # ImportError, or an ABI mismatch that aborts the import
+        raise RuntimeError(f"flashqla needs tilelang to compile {label}, which no prebuilt or cached kernel "
+                           f"serves, and tilelang does not import ({exc.__class__.__name__}: {exc})") from exc
     present = {entry.relative_to(cache) for entry in cache.glob("*/*/kernels/*")}  # names only: cheap
     start = time.perf_counter()
     prim_func = build()

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import importlib.util
 import logging
 from dataclasses import dataclass
 
@@ -28,11 +29,12 @@ class Call:
 
 @functools.lru_cache(maxsize=None)
 def _hopper_kernels():
-    """The TileLang SM90 kernels module, or the reason it cannot be used in this process."""
-    try:
-        import tilelang  # noqa: F401
-    except Exception as exc:  # ImportError, or an ABI mismatch that aborts the import
-        return None, f"tilelang is not importable ({exc.__class__.__name__}: {exc}); pip install 'flashqla[tilelang]'"
+    """The TileLang SM90 kernels module, or the reason it cannot be used in this process.
+
+    tilelang is looked up, not imported: prebuilt kernels load without it (kernels/cache.py), and a JIT
+    compile that needs it says so if it does not import."""
+    if importlib.util.find_spec("tilelang") is None:
+        return None, "tilelang is not installed; pip install 'flashqla[tilelang]'"
     try:
         from flashqla.kernels import hopper
     except Exception as exc:

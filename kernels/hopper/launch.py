@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import importlib
 from dataclasses import dataclass
 
 import torch
@@ -21,62 +22,53 @@ KERNEL_DTYPES = tuple(_TORCH_TO_TL.values())
 
 
 def _pass_configs():
-    import tilelang
-
-    return {tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True}
+    return {"tl.enable_fast_math": True}  # tilelang.PassConfigKey.TL_ENABLE_FAST_MATH, without importing tilelang
 
 
-def _compile(build, label: str, *args):
-    """compile_kernel for `build(*args)` (built only when the cache index does not know it) on TARGET."""
-    return compile_kernel(functools.partial(build, *args), label, target=TARGET, pass_configs=_pass_configs())
+def _compile(kernel: str, label: str, *args):
+    """compile_kernel for `build_<kernel>(*args)` of module `<kernel>` on TARGET. The module (which imports
+    tilelang) is imported only when the cache index does not know the kernel and it must be built."""
+
+    def build():
+        return getattr(importlib.import_module(f".{kernel}", __package__), f"build_{kernel}")(*args)
+
+    return compile_kernel(build, label, target=TARGET, pass_configs=_pass_configs())
 
 
 @functools.lru_cache(maxsize=None)
 def compiled_wy_inverse(dtype: str):
     """The compiled wy_inverse kernel for `dtype`: prebuilt, from TileLang's disk cache, or JIT (kernels/cache.py)."""
-    from .wy_inverse import build_wy_inverse
-
-    return _compile(build_wy_inverse, f"wy_inverse({dtype})", dtype)
+    return _compile("wy_inverse", f"wy_inverse({dtype})", dtype)
 
 
 @functools.lru_cache(maxsize=None)
 def compiled_fused_fwd(dtype: str, block_v: int):
     """The compiled fused forward kernel for `dtype` and V tile width `block_v`."""
-    from .fused_fwd import build_fused_fwd
-
-    return _compile(build_fused_fwd, f"fused_fwd({dtype}, block_v={block_v})", dtype, block_v)
+    return _compile("fused_fwd", f"fused_fwd({dtype}, block_v={block_v})", dtype, block_v)
 
 
 @functools.lru_cache(maxsize=None)
 def compiled_chunk_states(dtype: str, block_v: int):
     """The compiled state walk (chunk_states.py) for `dtype` and V tile width `block_v`."""
-    from .chunk_states import build_chunk_states
-
-    return _compile(build_chunk_states, f"chunk_states({dtype}, block_v={block_v})", dtype, block_v)
+    return _compile("chunk_states", f"chunk_states({dtype}, block_v={block_v})", dtype, block_v)
 
 
 @functools.lru_cache(maxsize=None)
 def compiled_chunk_output(dtype: str):
     """The compiled chunk-parallel output kernel (chunk_output.py) for `dtype`."""
-    from .chunk_output import build_chunk_output
-
-    return _compile(build_chunk_output, f"chunk_output({dtype})", dtype)
+    return _compile("chunk_output", f"chunk_output({dtype})", dtype)
 
 
 @functools.lru_cache(maxsize=None)
 def compiled_chunk_dstates(dtype: str, block_v: int):
     """The compiled reverse state-gradient walk (chunk_dstates.py) for `dtype` and `block_v`."""
-    from .chunk_dstates import build_chunk_dstates
-
-    return _compile(build_chunk_dstates, f"chunk_dstates({dtype}, block_v={block_v})", dtype, block_v)
+    return _compile("chunk_dstates", f"chunk_dstates({dtype}, block_v={block_v})", dtype, block_v)
 
 
 @functools.lru_cache(maxsize=None)
 def compiled_chunk_bwd_local(dtype: str):
     """The compiled chunk-local backward (chunk_bwd_local.py) for `dtype`."""
-    from .chunk_bwd_local import build_chunk_bwd_local
-
-    return _compile(build_chunk_bwd_local, f"chunk_bwd_local({dtype})", dtype)
+    return _compile("chunk_bwd_local", f"chunk_bwd_local({dtype})", dtype)
 
 
 def kernel_configs(dtypes=KERNEL_DTYPES):
