@@ -5,7 +5,9 @@ Every sequence n of a pack is convolved as if it were preceded by its own `W - 1
 sequence parallelism), so no window ever reads a token of another sequence.
 
 Layout: tokens are rows, channels are columns ([T, C]); prefixes are [N, W - 1, C].
-A fused GPU conv can replace `causal_conv1d` without changing its contract.
+`causal_conv1d` runs the fused TileLang kernels (flashqla/layers/fused.py) when the tensors are on an
+SM90 GPU and the call fits them (FLASHQLA_FUSED_LAYER_OPS=0 turns them off), and the torch reference
+`causal_conv1d_reference` otherwise; both have the same contract.
 """
 import torch
 import torch.nn.functional as F
@@ -35,6 +37,18 @@ def _segment_index(cu_seqlens: torch.Tensor, width: int):
 
 
 def causal_conv1d(x, weight, cu_seqlens, prefix=None, silu=True):
+    """causal_conv1d_reference's contract; the fused kernels serve it where they can (module docstring)."""
+    if x.is_cuda:
+        from . import fused
+
+        reason = fused.conv_unsupported_reason(x, weight, prefix, silu)
+        if reason is None:
+            return fused.causal_conv1d(x, weight, cu_seqlens, prefix)
+        fused.note_fallback_once("causal_conv1d", reason)
+    return causal_conv1d_reference(x, weight, cu_seqlens, prefix, silu)
+
+
+def causal_conv1d_reference(x, weight, cu_seqlens, prefix=None, silu=True):
     """y[t] = act(sum_j weight[:, j] * ext[t - (W - 1) + j]), where ext is x's sequence after its prefix.
 
     x: [T, C] packed tokens; weight: [C, W] (the `nn.Conv1d` depthwise weight squeezed);

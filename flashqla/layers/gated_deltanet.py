@@ -5,8 +5,8 @@ Parameters have the names, shapes and row layout of HF's `Qwen3NextGatedDeltaNet
 rows per group as [b (r), a (r)], with r = Hv / Hk value heads per key head. The conv channels are
 [all q | all k | all v]. Value head h reads key head h // r, which is the chunk op's native GQA mapping.
 
-Forward (torch reference path; fused conv / norm kernels can replace `causal_conv1d` and
-`gated_rms_norm`): projections -> causal depthwise conv + SiLU (restarting at every sequence) ->
+Forward (`causal_conv1d` and `gated_rms_norm` run fused TileLang kernels on SM90 GPUs and torch
+elsewhere, flashqla/layers/fused.py; the gates, [T, Hv] only, stay in torch): projections -> causal depthwise conv + SiLU (restarting at every sequence) ->
 g = -exp(A_log) * softplus(a + dt_bias) (fp32), beta = sigmoid(b) -> chunk_gated_delta_rule with
 in-kernel L2 norm of q and k (eps 1e-6) -> gated RMSNorm with z -> out_proj.
 """
