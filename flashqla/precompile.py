@@ -2,7 +2,9 @@
 
 The kernels target sm_90a explicitly, so nvcc alone builds them; TileLang then loads the cache entries
 on any H200 with the same TileLang version and platform (docs/prebuilt_kernels.md). What to compile is
-`kernel_configs()` of the kernel host modules: new kernels are picked up when they are listed there.
+`kernel_configs()` below, which chains those of the kernel host modules (the GDN kernels of
+kernels/hopper/launch.py, the layer ops of kernels/hopper/layer_ops.py): new kernels are picked up
+when they are listed there.
 """
 from __future__ import annotations
 
@@ -48,12 +50,11 @@ def precompile(cache_dir=None, jobs=None, dtypes=("bf16", "fp16"), heads=None, p
     except Exception as exc:  # ImportError, or an ABI mismatch that aborts the import
         raise RuntimeError(f"precompile needs tilelang ({exc}); pip install 'flashqla[tilelang]'") from exc
     from flashqla.kernels.cache import tilelang_cache_dir
-    from flashqla.kernels.hopper import launch
 
     tl_dtypes = _tilelang_dtypes(dtypes)
     heads = _checked_heads(heads)
     cache_dir = Path(cache_dir if cache_dir is not None else tilelang_cache_dir()).expanduser().resolve()
-    configs = [(builder.__module__, builder.__name__, args) for builder, args in launch.kernel_configs(tl_dtypes)]
+    configs = [(builder.__module__, builder.__name__, args) for builder, args in kernel_configs(tl_dtypes)]
     if jobs is None:
         jobs = min(len(configs), os.cpu_count() or 1)
     if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
@@ -106,12 +107,21 @@ def preload_kernels(dtypes=("bf16",)) -> str | None:
     from flashqla.ops.backends import _hopper_kernels
 
     tl_dtypes = _tilelang_dtypes(dtypes)
-    hopper, reason = _hopper_kernels()
+    _, reason = _hopper_kernels()
     if reason:
         return reason
-    for builder, args in hopper.launch.kernel_configs(tl_dtypes):
+    for builder, args in kernel_configs(tl_dtypes):
         builder(*args)
     return None
+
+
+def kernel_configs(tl_dtypes):
+    """Every (compiled-kernel builder, args) pair for TileLang dtypes `tl_dtypes`: the GDN kernels, then the
+    fused layer ops (short conv, gated RMSNorm; their fp32 variants compile on first use)."""
+    from flashqla.kernels.hopper import launch, layer_ops
+
+    yield from launch.kernel_configs(tl_dtypes)
+    yield from layer_ops.kernel_configs(tl_dtypes)
 
 
 def _tilelang_dtypes(dtypes) -> tuple[str, ...]:

@@ -22,12 +22,13 @@ from flashqla.cli import main as cli_main  # noqa: E402
 from flashqla.kernels import cache  # noqa: E402
 from flashqla.kernels.cache import MANIFEST  # noqa: E402
 from flashqla.kernels.hopper import launch  # noqa: E402
-from flashqla.precompile import precompile  # noqa: E402
+from flashqla.precompile import kernel_configs, precompile  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED_CACHE = REPO / ".tilelang_cache"
 DTYPE = "bfloat16"
-EXPECTED = {f"{builder.__name__}{args}" for builder, args in launch.kernel_configs((DTYPE,))}
+EXPECTED = {f"{builder.__name__}{args}" for builder, args in kernel_configs((DTYPE,))}
+GDN_KERNELS = {f"{builder.__name__}{args}" for builder, args in launch.kernel_configs((DTYPE,))}
 RACERS = 8  # ranks of one node starting at once
 
 REFUSE_COMPILING = """
@@ -54,9 +55,9 @@ for name in ("wy_inverse", "chunk_output", "chunk_states", "fused_fwd", "chunk_d
 # loads every kernel configuration of dtype argv[1] (only the builders named in argv[2:], if any)
 LOAD = REFUSE_COMPILING + """
 from flashqla.kernels import cache
-from flashqla.kernels.hopper import launch
+from flashqla.precompile import kernel_configs
 loaded = {}
-for builder, args in launch.kernel_configs((sys.argv[1],)):
+for builder, args in kernel_configs((sys.argv[1],)):
     if sys.argv[2:] and builder.__name__ not in sys.argv[2:]:
         continue
     start = time.perf_counter()
@@ -139,7 +140,8 @@ def test_precompile_writes_one_complete_entry_per_kernel_configuration(precompil
     for r in results:
         assert r.entry.parent.parent.parent.parent == SHARED_CACHE.resolve(), r.entry
         assert cache.is_complete(r.entry), f"{r.kernel}: incomplete entry {r.entry}"
-        assert (r.entry / "device_kernel.cu").read_text().count("wgmma") > 0, "not lowered for Hopper WGMMA"
+        if r.kernel in GDN_KERNELS:  # the layer ops (short conv, gated norm) have no matrix products
+            assert (r.entry / "device_kernel.cu").read_text().count("wgmma") > 0, "not lowered for Hopper WGMMA"
         assert r.compiled == (cache.relative_entry(r.entry) not in before), f"{r.kernel}: wrong hit/miss report"
 
 
@@ -163,6 +165,22 @@ def test_the_cache_index_loads_every_kernel_without_building_its_prim_func(preco
                                workdir=tmp_path))
     assert {k: v[0] for k, v in loaded.items()} == {r.kernel: str(cache.relative_entry(r.entry)) for r in results}
     print("\nload through the index, s: " + ", ".join(f"{k} {v[1]:.3f}" for k, v in sorted(loaded.items())))
+
+
+# the index path must not import tilelang (1-2 s of TVM start-up on the first call); a kernel module imports
+# it, so a builder that ran would show too
+WITHOUT_TILELANG = """
+import json, sys
+from flashqla.kernels.hopper import launch
+kinds = sorted({type(builder(*args)).__name__ for builder, args in launch.kernel_configs((sys.argv[1],))})
+print(json.dumps([kinds, "tilelang" in sys.modules]))
+"""
+
+
+def test_indexed_kernels_load_without_importing_tilelang(precompiled, tmp_path):
+    env = {"TILELANG_CACHE_DIR": str(SHARED_CACHE), cache.PREBUILT_ENV: "off"}
+    (kinds, imported), _ = _finish(_start(WITHOUT_TILELANG, DTYPE, env=env, workdir=tmp_path))
+    assert kinds == ["LoadedKernel"] and not imported
 
 
 PRELOAD = REFUSE_COMPILING + REFUSE_BUILDING + """
