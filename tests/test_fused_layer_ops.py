@@ -61,6 +61,15 @@ def test_sizes_are_runtime_arguments():
     assert not isinstance(norm["o"].shape[0], IntImm) and int(norm["o"].shape[1]) == 128
 
 
+def test_host_tile_constants_match_the_kernels():
+    from flashqla.kernels.hopper import gated_norm, short_conv
+
+    assert layer_ops.CONV_BLOCK_T == short_conv.BLOCK_T and layer_ops.CONV_WIDTH == short_conv.WIDTH
+    assert all(layer_ops.conv_block_c(d) == short_conv.block_c_for(d) for d in layer_ops.LAYER_DTYPES)
+    assert all(layer_ops.conv_vec(t) == short_conv.vec_for(d) for t, d in layer_ops.TORCH_TO_TL.items())
+    assert all(layer_ops.NORM_TILE_ELEMS // D == gated_norm.rows_for(D) for D in layer_ops.NORM_HEAD_DIMS)
+
+
 def test_backward_grids_cover_every_block_with_a_bounded_number_of_ctas():
     for blocks in (1, 7, 512, 513, 16384, 10 ** 6):
         for beside in (1, 3, 32, 5000):

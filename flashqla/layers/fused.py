@@ -12,6 +12,7 @@ N x (W - 1) rows done here in torch; its gradient is added onto dx and dprefix a
 from __future__ import annotations
 
 import functools
+import importlib.util
 import logging
 import os
 
@@ -30,10 +31,9 @@ def enabled() -> bool:
 
 @functools.lru_cache(maxsize=None)
 def _tilelang_reason() -> str | None:
-    try:
-        import tilelang  # noqa: F401
-    except Exception as exc:  # ImportError, or an ABI mismatch that aborts the import
-        return f"tilelang is not importable ({exc.__class__.__name__}: {exc})"
+    """Looked up, not imported (as flashqla.ops.backends does): prebuilt kernels load without importing it."""
+    if importlib.util.find_spec("tilelang") is None:
+        return "tilelang is not installed; pip install 'flashqla[tilelang]'"
     return None
 
 

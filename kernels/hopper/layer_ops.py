@@ -7,6 +7,7 @@ does that and the autograd). Nothing here imports tilelang at import time.
 from __future__ import annotations
 
 import functools
+import importlib
 
 import torch
 
@@ -17,44 +18,49 @@ TORCH_TO_TL = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float
 LAYER_DTYPES = tuple(TORCH_TO_TL.values())
 CONV_WIDTH = 4  # every conv kernel has 4 taps; narrower convs are zero-padded (short_conv.py)
 NORM_HEAD_DIMS = (64, 128, 256)
+# the kernels' tiles (short_conv.BLOCK_T, block_c_for; gated_norm.rows_for), repeated here so that launching
+# a prebuilt kernel never imports a kernel module (nor tilelang); tests/test_fused_layer_ops.py checks them
+CONV_BLOCK_T = 64
+NORM_TILE_ELEMS = 4096
 # Backward CTAs walk several blocks so the dw partial buffers stay small: about this many CTAs in all
 # (a constant, so the partial sums, and the gradients, do not depend on the GPU model).
 BWD_TARGET_CTAS = 2048
 
 
-def _compile(build, label: str, *args):
-    import tilelang
+def conv_block_c(dtype: str) -> int:
+    """Channels per conv CTA (short_conv.block_c_for)."""
+    return 128 if dtype == "float32" else 256
 
-    return compile_kernel(functools.partial(build, *args), label, target=TARGET,
-                          pass_configs={tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True})
+
+def _compile(module: str, builder: str, label: str, *args):
+    """compile_kernel for `<builder>(*args)` of kernel module `<module>` (short_conv or gated_norm) on TARGET;
+    the module, which imports tilelang, is imported only when the cache index does not know the kernel."""
+
+    def build():
+        return getattr(importlib.import_module(f".{module}", __package__), builder)(*args)
+
+    # tilelang.PassConfigKey.TL_ENABLE_FAST_MATH, without importing tilelang
+    return compile_kernel(build, label, target=TARGET, pass_configs={"tl.enable_fast_math": True})
 
 
 @functools.lru_cache(maxsize=None)
 def compiled_short_conv_fwd(dtype: str):
-    from .short_conv import build_short_conv_fwd
-
-    return _compile(build_short_conv_fwd, f"short_conv_fwd({dtype})", dtype)
+    return _compile("short_conv", "build_short_conv_fwd", f"short_conv_fwd({dtype})", dtype)
 
 
 @functools.lru_cache(maxsize=None)
 def compiled_short_conv_bwd(dtype: str):
-    from .short_conv import build_short_conv_bwd
-
-    return _compile(build_short_conv_bwd, f"short_conv_bwd({dtype})", dtype)
+    return _compile("short_conv", "build_short_conv_bwd", f"short_conv_bwd({dtype})", dtype)
 
 
 @functools.lru_cache(maxsize=None)
 def compiled_gated_norm_fwd(dtype: str, head_dim: int):
-    from .gated_norm import build_gated_norm_fwd
-
-    return _compile(build_gated_norm_fwd, f"gated_norm_fwd({dtype}, {head_dim})", dtype, head_dim)
+    return _compile("gated_norm", "build_gated_norm_fwd", f"gated_norm_fwd({dtype}, {head_dim})", dtype, head_dim)
 
 
 @functools.lru_cache(maxsize=None)
 def compiled_gated_norm_bwd(dtype: str, head_dim: int):
-    from .gated_norm import build_gated_norm_bwd
-
-    return _compile(build_gated_norm_bwd, f"gated_norm_bwd({dtype}, {head_dim})", dtype, head_dim)
+    return _compile("gated_norm", "build_gated_norm_bwd", f"gated_norm_bwd({dtype}, {head_dim})", dtype, head_dim)
 
 
 def kernel_configs(dtypes=LAYER_DTYPES):
@@ -105,13 +111,11 @@ def short_conv_fwd(x, weight, prefix, cu_seqlens):
 
 def short_conv_bwd(x, weight, prefix, cu_seqlens, dy):
     """(dx [T, C] in x's dtype, dprefix fp32 [N, 3, C], dw fp32 [C, 4]) of short_conv_fwd given dy."""
-    from .short_conv import BLOCK_T, block_c_for
-
     T, C = x.shape
     N = cu_seqlens.numel() - 1
     dtype = TORCH_TO_TL[x.dtype]
     x3, p4 = _conv_views(x, prefix)
-    groups, per_cta = groups_for(-(-T // BLOCK_T), -(-C // block_c_for(dtype)))
+    groups, per_cta = groups_for(-(-T // CONV_BLOCK_T), -(-C // conv_block_c(dtype)))
     dx = _empty(x)
     dprefix = torch.zeros(prefix.shape, dtype=torch.float32, device=x.device)  # sequences without tokens: 0
     dw_part = torch.empty(groups, C, CONV_WIDTH, dtype=torch.float32, device=x.device)
@@ -130,10 +134,8 @@ def gated_norm_fwd(o, z, weight, eps: float, round_product: bool):
 
 def gated_norm_bwd(o, z, weight, dy, eps: float, round_product: bool):
     """(do, dz [R, D] in o's dtype, dw fp32 [D]) of gated_norm_fwd given dy."""
-    from .gated_norm import rows_for
-
     R, D = o.shape
-    groups, per_cta = groups_for(-(-R // rows_for(D)), 1)
+    groups, per_cta = groups_for(-(-R // (NORM_TILE_ELEMS // D)), 1)
     do, dz = _empty(o), _empty(z)
     dw_part = torch.empty(groups, D, dtype=torch.float32, device=o.device)
     compiled_gated_norm_bwd(TORCH_TO_TL[o.dtype], D)(o, z, weight, dy, do, dz, dw_part, float(eps),
