@@ -20,8 +20,8 @@ PrimFunc serialised by TVM. A hit loads the entry from those without running the
 unexpected falls back to the normal path, which (re)writes the index.
 
 A hit does not even import tilelang (1-2 s of TVM start-up): the entry's host library is loaded with
-tvm_ffi next to TileLang's TVM runtime library (which registers the loader of the embedded cubin) and
-called with the kernel's arguments, which is all TileLang's own adapter does for a kernel whose outputs
+tvm_ffi next to TileLang's runtime libraries (they register the loader of the embedded cubin and the
+functions the host code looks up by name, checked per library) and called with the kernel's arguments, which is all TileLang's own adapter does for a kernel whose outputs
 are arguments (every flashqla kernel). Argument checks (devices, dtypes, shapes) live in that library.
 """
 from __future__ import annotations
@@ -35,6 +35,7 @@ import importlib.util
 import json
 import logging
 import os
+import re
 import shutil
 import sys
 import time
@@ -200,18 +201,30 @@ def index_key(label: str, compile_args: dict) -> str:
 
 @functools.lru_cache(maxsize=None)
 def _ffi_runtime():
-    """tvm_ffi with TileLang's TVM runtime library loaded (it registers the cubin loader), or None."""
+    """tvm_ffi with TileLang's runtime libraries loaded, or None. libtvm_runtime.so registers the loader of
+    the embedded cubin and `__tvm_set_device`; libtilelang.so the TMA descriptor builders
+    (`__tvm_tensormap_create_tiled`) the host code of a TMA kernel calls."""
     try:
         import tvm_ffi
 
-        package = importlib.util.find_spec("tilelang").submodule_search_locations[0]
-        ctypes.CDLL(str(Path(package) / "lib" / "libtvm_runtime.so"), mode=ctypes.RTLD_GLOBAL)
-        if tvm_ffi.get_global_func("ffi.Module.load_from_bytes.cuda", allow_missing=True) is None:
-            return None
-        return tvm_ffi
+        lib = Path(importlib.util.find_spec("tilelang").submodule_search_locations[0]) / "lib"
+        for name in ("libtvm_runtime.so", "libtilelang.so"):
+            ctypes.CDLL(str(lib / name), mode=ctypes.RTLD_GLOBAL)
+        return tvm_ffi if tvm_ffi.get_global_func(_CUBIN_LOADER, allow_missing=True) is not None else None
     except Exception as exc:  # no tvm_ffi, another layout of the tilelang wheel: TileLang's loader then
         log.debug("flashqla: direct kernel loading unavailable (%s: %s)", exc.__class__.__name__, exc)
         return None
+
+
+_CUBIN_LOADER = "ffi.Module.load_from_bytes.cuda"
+_HOST_LOOKUP = re.compile(rb"__tvm_[a-z_]+")
+
+
+def _resolvable(ffi, library: Path) -> bool:
+    """Whether every runtime function the host library looks up by name is registered in this process."""
+    names = {m.decode() for m in _HOST_LOOKUP.findall(library.read_bytes())}
+    looked_up = {n for n in names if not n.startswith("__tvm_ffi_") and not n.endswith("_packed")}  # not handles
+    return all(ffi.get_global_func(name, allow_missing=True) is not None for name in looked_up)
 
 
 def _load_indexed(cache: Path, key: str, compile_args: dict):
@@ -225,8 +238,9 @@ def _load_indexed(cache: Path, key: str, compile_args: dict):
         if not is_complete(entry):
             return None
         ffi = _ffi_runtime()
-        if ffi is not None:
-            return LoadedKernel(entry, ffi.load_module(str(entry / "executable.so")))
+        library = entry / "executable.so"
+        if ffi is not None and _resolvable(ffi, library):
+            return LoadedKernel(entry, ffi.load_module(str(library)))
         from tilelang import tvm
         from tilelang.cache import _resolve_cache_dispatch
         from tilelang.transform.pass_config import normalize_pass_configs
