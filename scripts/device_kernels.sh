@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # One H200 session for the TileLang kernels: GPU tests, cold-compile time, forward and backward benchmarks.
 # Run from the repo root on the device machine with `.devsite` and `.devkernels` (or `.tilelang_cache`)
-# carried; logs go to $OUT. Usage: scripts/device_kernels.sh [tests|cold|bench|bwd|profile|layer|all] [extra bench_gdn.py arguments...]
+# carried; logs go to $OUT. Usage: scripts/device_kernels.sh [tests|cold|bench|bwd|profile|layer|walks|all] [extra bench_gdn.py arguments...]
 #   tests: tests/gpu (first-call latency included: it starts fresh processes with empty JIT caches)
 #   bench: bench_gdn.py (pass e.g. --cp-sweep 32,64,128,256 --flashqla-configs none)
 #   profile: profile_gdn.py step (PROFILE_ARGS) and first-call in a fresh process on an empty cache
 #   layer: megatron_gdn_layer.py, Megatron's FLA GDN layer vs flashqla's (parity and time, 1 GPU)
 #   bwd:   bench_bwd.py (BWD_ARGS, e.g. --quick), flashqla vs FLA (FlashQLA's backward JIT-compiles for minutes: left out)
+#   walks: bench_walks.py, the two serial walks at every V tile width (calibrates launch.block_v_for)
 set -uo pipefail
 what=${1:-all}
 shift || true
@@ -64,4 +65,8 @@ fi
 if [[ $what == layer || $what == all ]]; then
   NCCL_NVLS_ENABLE=0 timeout 300 python3 -m torch.distributed.run --standalone --nproc-per-node 1 \
     benchmarks/megatron_gdn_layer.py 2>&1 | tee "$OUT/megatron_layer.log" | grep -v "Warning\|warn" | tail -30
+fi
+
+if [[ $what == walks || $what == all ]]; then
+  timeout 120 python3 benchmarks/bench_walks.py 2>&1 | tee "$OUT/bench_walks.log" | grep -v "TileLang" | tail -12
 fi
