@@ -4,7 +4,7 @@
 For the host glue the compiled launches (kernels/hopper/layer_ops.py) are replaced by torch stand-ins
 that compute what the kernel docstrings say, step by step (explicit backward formulas, the same
 roundings), and the autograd functions of flashqla/layers/fused.py are checked against autograd of the
-torch references. The kernels themselves are checked on an H200 by tests/gpu/test_fused_layer_ops.py.
+torch references. The kernels themselves are checked on an H200 by tests/gpu/test_tilelang_layer_ops.py.
 """
 import os
 import shutil
