@@ -11,4 +11,12 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
 export TILELANG_CACHE_DIR=${TILELANG_CACHE_DIR:-$PWD/.tilelang_cache}
 .venv/bin/python -m pytest -q --ignore=tests/megatron "$@"
 bash scripts/megatron_venv.sh 2>&1 | { grep -v "is ignored" || true; }
+version='import megatron.core as m; print("tests/megatron on megatron-core", m.__version__)'
+.venv312/bin/python -W ignore -c "$version" 2>/dev/null
 .venv312/bin/python -m pytest -q tests/megatron
+# the other supported release, megatron-core 0.19.0 (pure Python): a side directory ahead of the venv's 0.19.2
+side=.venv312/megatron-core-0.19.0
+[[ -d $side/megatron ]] || .venv312/bin/python -m pip install -q --no-deps --target "$side" megatron-core==0.19.0 2>&1 \
+  | { grep -v "is ignored" || true; }
+PYTHONPATH=$PWD/$side .venv312/bin/python -W ignore -c "$version" 2>/dev/null
+PYTHONPATH=$PWD/$side .venv312/bin/python -m pytest -q tests/megatron
