@@ -142,14 +142,31 @@ def _seed_once(prebuilt: Path | None, cache: Path) -> str | None:
 
 
 class LoadedKernel:
-    """A cache entry's host library called through tvm_ffi with the kernel's arguments, in order."""
+    """A cache entry's host library called through tvm_ffi with the kernel's arguments, in order.
 
-    def __init__(self, entry: Path, module):
+    If its first call raises (say, a runtime function this process lacks), the kernel switches to
+    `fallback()`, the same entry through TileLang's own loader, for good and repeats the call: the host
+    code checks its arguments and looks up what it needs before it launches, so the failed call wrote
+    nothing. Argument errors then surface from TileLang's loader the same way.
+    """
+
+    def __init__(self, entry: Path, module, fallback):
         self.entry = entry
         self._module = module
+        self._fallback = fallback  # None once a call succeeded
 
     def __call__(self, *args):
-        return self._module(*args)
+        if self._fallback is None:
+            return self._module(*args)
+        try:
+            result = self._module(*args)
+        except Exception as exc:
+            log.warning("flashqla: the direct load of kernel entry %s failed on its first call (%s: %s); "
+                        "using TileLang's loader", self.entry.name, exc.__class__.__name__, exc)
+            self._module = self._fallback()
+            result = self._module(*args)
+        self._fallback = None
+        return result
 
     def get_kernel_source(self) -> str:
         return (self.entry / "device_kernel.cu").read_text()
@@ -227,8 +244,9 @@ def _resolvable(ffi, library: Path) -> bool:
     return all(ffi.get_global_func(name, allow_missing=True) is not None for name in looked_up)
 
 
-def _load_indexed(cache: Path, key: str, compile_args: dict):
-    """The kernel the index names under `key`, loaded without building its PrimFunc; None on any miss."""
+def _load_indexed(cache: Path, key: str, compile_args: dict, fallback):
+    """The kernel the index names under `key`, loaded without building its PrimFunc; None on any miss.
+    Directly through tvm_ffi unless `fallback` (what a direct load falls back to) is None."""
     found = list(cache.glob(f"*/*/{INDEX_DIR}/{key}.json.gz"))
     if len(found) != 1:
         return None
@@ -239,8 +257,8 @@ def _load_indexed(cache: Path, key: str, compile_args: dict):
             return None
         ffi = _ffi_runtime()
         library = entry / "executable.so"
-        if ffi is not None and _resolvable(ffi, library):
-            return LoadedKernel(entry, ffi.load_module(str(library)))
+        if fallback is not None and ffi is not None and _resolvable(ffi, library):
+            return LoadedKernel(entry, ffi.load_module(str(library)), fallback)
         from tilelang import tvm
         from tilelang.cache import _resolve_cache_dispatch
         from tilelang.transform.pass_config import normalize_pass_configs
@@ -269,18 +287,20 @@ def _write_index(key: str, label: str, prim_func, entry: Path) -> None:
         log.debug("flashqla: could not write the kernel index %s (%s)", target, exc)
 
 
-def compile_kernel(build, label: str, **compile_args):
+def compile_kernel(build, label: str, *, direct: bool = True, **compile_args):
     """`tilelang.compile(build(), **compile_args)` after seeding TileLang's cache from the prebuilt kernels.
 
     `build` makes the PrimFunc; it does not run when flashqla's index knows the cache entry (see the
-    module docstring). A load from the cache is silent; a real compile is logged once (the caller caches
-    the result per configuration) with its duration and the reason no prebuilt kernel served it.
+    module docstring), which is then loaded through tvm_ffi unless `direct` is False. A load from the
+    cache is silent; a real compile is logged once (the caller caches the result per configuration) with
+    its duration and the reason no prebuilt kernel served it.
     """
     cache = tilelang_cache_dir()
     prebuilt = prebuilt_dir()
     missing_reason = _seed_once(prebuilt, cache)
     key = index_key(label, compile_args)
-    kernel = _load_indexed(cache, key, compile_args)
+    fallback = functools.partial(compile_kernel, build, label, direct=False, **compile_args) if direct else None
+    kernel = _load_indexed(cache, key, compile_args, fallback)
     if kernel is not None:
         return kernel
     try:
