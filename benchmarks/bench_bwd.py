@@ -3,8 +3,8 @@
 FlashQLA's published backward matrix: (Hqk, Hv) in {(16,32), (8,16), (4,8), (2,4)} x {8K, 32K} total
 tokens x {1, 2, 4, 8} equal sequences, bf16, K = V = 128, model-like gates (bench_gdn.make_inputs).
 Each implementation runs through its autograd entry point; "bwd" is (fwd+bwd) - fwd, both medians of
-eager runs timed with CUDA events (flashqla's backward builds its chunk grid on the host, so it is not
-graph-captured; the peers are timed the same way for a like-for-like number). Also reported: the peak
+eager runs timed with CUDA events, the same way for every implementation (host launch overheads
+included, as a training step without CUDA graphs sees them). Also reported: the peak
 memory the backward adds on top of the forward's saved tensors.
 
     python benchmarks/bench_bwd.py [--impls flashqla,flashqla_cp,fla,flash_qla] [--reps 10] [--out docs/benchmarks_bwd.md]
