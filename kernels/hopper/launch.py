@@ -25,12 +25,13 @@ def _pass_configs():
     return {"tl.enable_fast_math": True}  # tilelang.PassConfigKey.TL_ENABLE_FAST_MATH, without importing tilelang
 
 
-def _compile(kernel: str, label: str, *args):
-    """compile_kernel for `build_<kernel>(*args)` of module `<kernel>` on TARGET. The module (which imports
-    tilelang) is imported only when the cache index does not know the kernel and it must be built."""
+def compile_from(module: str, builder: str, label: str, *args):
+    """compile_kernel for `<builder>(*args)` of kernel module `<module>` of this package on TARGET. The
+    module (which imports tilelang) is imported only when the cache index does not know the kernel and it
+    must be built."""
 
     def build():
-        return getattr(importlib.import_module(f".{kernel}", __package__), f"build_{kernel}")(*args)
+        return getattr(importlib.import_module(f".{module}", __package__), builder)(*args)
 
     return compile_kernel(build, label, target=TARGET, pass_configs=_pass_configs())
 
@@ -38,37 +39,39 @@ def _compile(kernel: str, label: str, *args):
 @functools.lru_cache(maxsize=None)
 def compiled_wy_inverse(dtype: str):
     """The compiled wy_inverse kernel for `dtype`: prebuilt, from TileLang's disk cache, or JIT (kernels/cache.py)."""
-    return _compile("wy_inverse", f"wy_inverse({dtype})", dtype)
+    return compile_from("wy_inverse", "build_wy_inverse", f"wy_inverse({dtype})", dtype)
 
 
 @functools.lru_cache(maxsize=None)
 def compiled_fused_fwd(dtype: str, block_v: int):
     """The compiled fused forward kernel for `dtype` and V tile width `block_v`."""
-    return _compile("fused_fwd", f"fused_fwd({dtype}, block_v={block_v})", dtype, block_v)
+    return compile_from("fused_fwd", "build_fused_fwd", f"fused_fwd({dtype}, block_v={block_v})", dtype, block_v)
 
 
 @functools.lru_cache(maxsize=None)
 def compiled_chunk_states(dtype: str, block_v: int):
     """The compiled state walk (chunk_states.py) for `dtype` and V tile width `block_v`."""
-    return _compile("chunk_states", f"chunk_states({dtype}, block_v={block_v})", dtype, block_v)
+    return compile_from("chunk_states", "build_chunk_states", f"chunk_states({dtype}, block_v={block_v})", dtype,
+                        block_v)
 
 
 @functools.lru_cache(maxsize=None)
 def compiled_chunk_output(dtype: str):
     """The compiled chunk-parallel output kernel (chunk_output.py) for `dtype`."""
-    return _compile("chunk_output", f"chunk_output({dtype})", dtype)
+    return compile_from("chunk_output", "build_chunk_output", f"chunk_output({dtype})", dtype)
 
 
 @functools.lru_cache(maxsize=None)
 def compiled_chunk_dstates(dtype: str, block_v: int):
     """The compiled reverse state-gradient walk (chunk_dstates.py) for `dtype` and `block_v`."""
-    return _compile("chunk_dstates", f"chunk_dstates({dtype}, block_v={block_v})", dtype, block_v)
+    return compile_from("chunk_dstates", "build_chunk_dstates", f"chunk_dstates({dtype}, block_v={block_v})", dtype,
+                        block_v)
 
 
 @functools.lru_cache(maxsize=None)
 def compiled_chunk_bwd_local(dtype: str):
     """The compiled chunk-local backward (chunk_bwd_local.py) for `dtype`."""
-    return _compile("chunk_bwd_local", f"chunk_bwd_local({dtype})", dtype)
+    return compile_from("chunk_bwd_local", "build_chunk_bwd_local", f"chunk_bwd_local({dtype})", dtype)
 
 
 def kernel_configs(dtypes=KERNEL_DTYPES):

@@ -7,13 +7,11 @@ does that and the autograd). Nothing here imports tilelang at import time.
 from __future__ import annotations
 
 import functools
-import importlib
 
 import torch
 
-from ..cache import compile_kernel
+from .launch import compile_from
 
-TARGET = {"kind": "cuda", "arch": "sm_90a"}
 TORCH_TO_TL = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 LAYER_DTYPES = tuple(TORCH_TO_TL.values())
 CONV_WIDTH = 4  # every conv kernel has 4 taps; narrower convs are zero-padded (short_conv.py)
@@ -32,35 +30,24 @@ def conv_block_c(dtype: str) -> int:
     return 128 if dtype == "float32" else 256
 
 
-def _compile(module: str, builder: str, label: str, *args):
-    """compile_kernel for `<builder>(*args)` of kernel module `<module>` (short_conv or gated_norm) on TARGET;
-    the module, which imports tilelang, is imported only when the cache index does not know the kernel."""
-
-    def build():
-        return getattr(importlib.import_module(f".{module}", __package__), builder)(*args)
-
-    # tilelang.PassConfigKey.TL_ENABLE_FAST_MATH, without importing tilelang
-    return compile_kernel(build, label, target=TARGET, pass_configs={"tl.enable_fast_math": True})
-
-
 @functools.lru_cache(maxsize=None)
 def compiled_short_conv_fwd(dtype: str):
-    return _compile("short_conv", "build_short_conv_fwd", f"short_conv_fwd({dtype})", dtype)
+    return compile_from("short_conv", "build_short_conv_fwd", f"short_conv_fwd({dtype})", dtype)
 
 
 @functools.lru_cache(maxsize=None)
 def compiled_short_conv_bwd(dtype: str):
-    return _compile("short_conv", "build_short_conv_bwd", f"short_conv_bwd({dtype})", dtype)
+    return compile_from("short_conv", "build_short_conv_bwd", f"short_conv_bwd({dtype})", dtype)
 
 
 @functools.lru_cache(maxsize=None)
 def compiled_gated_norm_fwd(dtype: str, head_dim: int):
-    return _compile("gated_norm", "build_gated_norm_fwd", f"gated_norm_fwd({dtype}, {head_dim})", dtype, head_dim)
+    return compile_from("gated_norm", "build_gated_norm_fwd", f"gated_norm_fwd({dtype}, {head_dim})", dtype, head_dim)
 
 
 @functools.lru_cache(maxsize=None)
 def compiled_gated_norm_bwd(dtype: str, head_dim: int):
-    return _compile("gated_norm", "build_gated_norm_bwd", f"gated_norm_bwd({dtype}, {head_dim})", dtype, head_dim)
+    return compile_from("gated_norm", "build_gated_norm_bwd", f"gated_norm_bwd({dtype}, {head_dim})", dtype, head_dim)
 
 
 def kernel_configs(dtypes=LAYER_DTYPES):
