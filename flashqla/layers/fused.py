@@ -12,11 +12,12 @@ N x (W - 1) rows done here in torch; its gradient is added onto dx and dprefix a
 from __future__ import annotations
 
 import functools
-import importlib.util
 import logging
 import os
 
 import torch
+
+from ..ops.backends import hopper_device_reason
 
 log = logging.getLogger("flashqla")
 
@@ -29,23 +30,10 @@ def enabled() -> bool:
     return os.environ.get(ENV, "1").strip().lower() not in _OFF
 
 
-@functools.lru_cache(maxsize=None)
-def _tilelang_reason() -> str | None:
-    """Looked up, not imported (as flashqla.ops.backends does): prebuilt kernels load without importing it."""
-    if importlib.util.find_spec("tilelang") is None:
-        return "tilelang is not installed; pip install 'flashqla[tilelang]'"
-    return None
-
-
 def _device_reason(t: torch.Tensor) -> str | None:
     if not enabled():
         return f"{ENV} turns the fused layer ops off"
-    if not t.is_cuda:
-        return f"tensors are on {t.device}, the fused layer ops need a CUDA device"
-    major, minor = torch.cuda.get_device_capability(t.device)
-    if (major, minor) != (9, 0):
-        return f"the fused layer ops target SM90 (Hopper); this GPU is SM{major}{minor}"
-    return _tilelang_reason()
+    return hopper_device_reason(t, "the fused layer ops")
 
 
 def conv_unsupported_reason(x, weight, prefix=None, silu=True) -> str | None:

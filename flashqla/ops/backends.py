@@ -28,13 +28,31 @@ class Call:
 
 
 @functools.lru_cache(maxsize=None)
-def _hopper_kernels():
-    """The TileLang SM90 kernels module, or the reason it cannot be used in this process.
-
-    tilelang is looked up, not imported: prebuilt kernels load without it (kernels/cache.py), and a JIT
-    compile that needs it says so if it does not import."""
+def tilelang_missing() -> str | None:
+    """Why TileLang kernels cannot load in this process, or None. tilelang is looked up, not imported:
+    prebuilt kernels load without it (kernels/cache.py), and a JIT compile that needs it says so if it
+    does not import."""
     if importlib.util.find_spec("tilelang") is None:
-        return None, "tilelang is not installed; pip install 'flashqla[tilelang]'"
+        return "tilelang is not installed; pip install 'flashqla[tilelang]'"
+    return None
+
+
+def hopper_device_reason(t: torch.Tensor, what: str) -> str | None:
+    """None when `t` is on an SM90 GPU and TileLang kernels can load, else why `what` cannot run there."""
+    if not t.is_cuda:
+        return f"tensors are on {t.device}, {what} need a CUDA device"
+    major, minor = torch.cuda.get_device_capability(t.device)
+    if (major, minor) != (9, 0):
+        return f"{what} target SM90 (Hopper); this GPU is SM{major}{minor}"
+    return tilelang_missing()
+
+
+@functools.lru_cache(maxsize=None)
+def _hopper_kernels():
+    """The TileLang SM90 kernels module, or the reason it cannot be used in this process."""
+    reason = tilelang_missing()
+    if reason:
+        return None, reason
     try:
         from flashqla.kernels import hopper
     except Exception as exc:
@@ -45,11 +63,9 @@ def _hopper_kernels():
 
 
 def tilelang_unsupported_reason(call: Call) -> str | None:
-    if not call.q.is_cuda:
-        return f"tensors are on {call.q.device}, the TileLang kernels need a CUDA device"
-    major, minor = torch.cuda.get_device_capability(call.q.device)
-    if (major, minor) != (9, 0):
-        return f"the TileLang kernels target SM90 (Hopper); this GPU is SM{major}{minor}"
+    reason = hopper_device_reason(call.q, "the TileLang kernels")
+    if reason:
+        return reason
     hopper, reason = _hopper_kernels()
     if reason:
         return reason
