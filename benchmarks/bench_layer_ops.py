@@ -16,6 +16,7 @@ import argparse
 
 import torch
 
+from bench_gdn import eager_median_ms
 from flashqla.kernels.hopper import layer_ops
 from flashqla.layers import fused
 from flashqla.layers.conv import causal_conv1d_reference
@@ -28,15 +29,7 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 def median_ms(fn, reps=50, warmup=5):
     for _ in range(warmup):
         fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
+    return eager_median_ms(fn, reps)
 
 
 def fwd_bwd_ms(forward, leaves, cotangent):

@@ -97,10 +97,10 @@ def precompile(cache_dir=None, jobs=None, dtypes=("bf16", "fp16"), heads=None, p
 
 
 def preload_kernels(dtypes=("bf16",)) -> str | None:
-    """Imports TileLang and loads every kernel configuration for `dtypes` into this process now.
+    """Loads every kernel configuration for `dtypes` into this process now.
 
-    The first forward and backward then neither import TileLang (~2 s) nor load kernels (~0.03 s each
-    through flashqla's cache index; a JIT compile where nothing prebuilt serves them). Call it once at
+    The first forward and backward then load no kernels (a few ms each through flashqla's cache index,
+    which does not import TileLang; a JIT compile where nothing prebuilt serves them). Call it once at
     start-up, e.g. while the data loader warms up. Needs no GPU. Returns None, or why the TileLang
     kernels cannot be used in this process (then nothing is loaded and the torch backend serves calls).
     """
