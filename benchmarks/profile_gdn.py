@@ -1,6 +1,6 @@
 """Where the time of one flashqla call goes, on the GPU: per-kernel CUDA time and host time.
 
-    python benchmarks/profile_gdn.py step [--heads 16,32] [--tokens 32768] [--seqs 1] [--top 30]
+    python benchmarks/profile_gdn.py step [--heads 16,32] [--tokens 32768] [--seqs 1] [--top 30] [--intra-cp 64]
     python benchmarks/profile_gdn.py first-call [--top 40]
 
 `step`: torch.profiler over a few warm fwd+bwd calls; prints the CUDA kernels by total time (one table for
@@ -22,12 +22,12 @@ from torch.profiler import ProfilerActivity, profile
 from bench_gdn import make_inputs
 
 
-def _call(inputs):
+def _call(inputs, intra_cp="off"):
     import flashqla
 
     q, k, v, g, beta, cu = inputs
     leaves = [t.detach().requires_grad_(True) for t in (q, k, v, g, beta)]
-    o, _ = flashqla.chunk_gated_delta_rule(*leaves, cu_seqlens=cu, backend="tilelang", intra_cp="off")
+    o, _ = flashqla.chunk_gated_delta_rule(*leaves, cu_seqlens=cu, backend="tilelang", intra_cp=intra_cp)
     return o
 
 
@@ -35,10 +35,12 @@ def profile_step(args):
     Hqk, Hv = map(int, args.heads.split(","))
     inputs = make_inputs(Hqk, Hv, [args.tokens // args.seqs] * args.seqs)
     do = torch.randn_like(inputs[2])
+    intra_cp = args.intra_cp if args.intra_cp in ("off", "auto") else int(args.intra_cp)
     for _ in range(2):
-        _call(inputs).backward(do)
+        _call(inputs, intra_cp).backward(do)
     torch.cuda.synchronize()
-    for label, fn in [("forward", lambda: _call(inputs)), ("fwd+bwd", lambda: _call(inputs).backward(do))]:
+    for label, fn in [("forward", lambda: _call(inputs, intra_cp)),
+                      ("fwd+bwd", lambda: _call(inputs, intra_cp).backward(do))]:
         reps = 3
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             start = time.perf_counter()
@@ -46,7 +48,7 @@ def profile_step(args):
                 fn()
             torch.cuda.synchronize()
             wall_ms = (time.perf_counter() - start) * 1e3 / reps
-        print(f"\n=== ({Hqk},{Hv}) {args.tokens} tokens x{args.seqs}: {label}, {wall_ms:.2f} ms wall per call "
+        print(f"\n=== ({Hqk},{Hv}) {args.tokens} tokens x{args.seqs}, intra_cp={intra_cp}: {label}, {wall_ms:.2f} ms wall per call "
               f"(profiler on) ===")
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=args.top, max_name_column_width=60))
 
@@ -71,6 +73,7 @@ def main():
     ap.add_argument("--tokens", type=int, default=32768)
     ap.add_argument("--seqs", type=int, default=1)
     ap.add_argument("--top", type=int, default=30)
+    ap.add_argument("--intra-cp", default="off", help="'off', 'auto' or a segment length in chunks")
     args = ap.parse_args()
     profile_step(args) if args.what == "step" else profile_first_call(args)
 
