@@ -7,14 +7,15 @@ p). One all-gather shares (S*, M); each rank folds the chain of the parts before
     S_enter[p] = S*_{p-1} + M_{p-1} S_enter[p-1]     (fp32, or fp64 for fp64 inputs)
 
 and runs the ordinary local op with S_enter as the initial state of the part's first sequence. The
-summaries come from `backends.summary` (on the TileLang path the state-only summary walk: S* from zero,
-M from the identity with U = 0). On NCCL
-the all-gather is started asynchronously and the local work that does not need S_enter (every
+summaries come from span.py: the span cut into segments summarised in parallel and folded, or, when
+every head's gates decay by more than e^cp_warmup over the span, S* of its last few chunks and M = 0.
+On NCCL the all-gather is started asynchronously and the local work that does not need S_enter (every
 sequence that starts on this rank) runs while it is in flight.
 
 Backward mirrors it: for its first sequence each part computes D_p, the gradient of the state entering
-the part when the gradient leaving the part is zero (the reverse state-gradient walk alone), and M'_p
-(the transition product of that sequence inside the part, 0 if it ends there); one all-gather; then
+the part when the gradient leaving the part is zero (span.py: segments' reverse walks and a fold, or
+the first few chunks under the same warmup rule), and M'_p (the transition product of that sequence
+inside the part, 0 if it ends there or the forward's warmup dropped it); one all-gather; then
 X_p = D_{p+1} + M'_{p+1}^T X_{p+1}
 is the gradient of the state leaving part p, fed to the local backward as the last sequence's dht.
 
@@ -28,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from ..ops import backends, reference, torch_backend
+from . import span
 from .context import CPContext
 
 
@@ -111,10 +113,10 @@ class InterCardCPFunction(torch.autograd.Function):
             if piece.last_seq_continues:
                 s, e = _sequence_span(cp, cp.last_sequence_of(piece))
                 spanning = cp.first_sequence_of(piece) == cp.last_sequence_of(piece) and piece.first_seq_continues
-                summary = backends.summary(backend, *[_span(t, s, e) for t in (q, k, v, g, beta)], spanning)
-                S_star[i] = summary[0].to(dtype)[0]
-                if spanning:
-                    M[i] = summary[1].to(dtype)[0]
+                S_star[i], M_piece = span.span_summary(backend, *[_span(t, s, e) for t in (q, k, v, g, beta)],
+                                                       spanning, _segment_chunks(plan), cp_warmup)
+                if M_piece is not None:  # None: not spanning, or the warmup dropped it
+                    M[i] = M_piece
         exchange = _Exchange(cp, S_star, M)
         # while the summaries travel: every sequence that starts on this rank (zero initial state)
         initial_state = q.new_zeros((len(cp.local_bounds) - 1, Hv, K, V), dtype=dtype)
@@ -128,7 +130,8 @@ class InterCardCPFunction(torch.autograd.Function):
                 s, e = _sequence_span(cp, n)
                 o[:, s:e] = _local_forward(*[_span(t, s, e) for t in (q, k, v, g, beta)], scale,
                                            initial_state[n:n + 1], None, _sub_plan(plan, s, e), cp_warmup, backend)
-        # M of a sequence spanning a whole part is also that part's M'_p in backward: keep it
+        # M of a sequence spanning a whole part is also that part's M'_p in backward (0 where the warmup
+        # dropped it, and the backward's D then takes the warmup too: span.py): keep it
         ctx.save_for_backward(q, k, v, g, beta, initial_state, M)
         ctx.scale, ctx.cp, ctx.plan, ctx.cp_warmup, ctx.backend = scale, cp, plan, cp_warmup, backend
         return o
@@ -145,9 +148,10 @@ class InterCardCPFunction(torch.autograd.Function):
                 n = cp.first_sequence_of(piece)
                 s, e = _sequence_span(cp, n)
                 args = [_span(t, s, e) for t in (q, k, v, g, beta)]
-                # D: gradient of the entering state with a zero gradient leaving the part (the reverse
-                # walk alone; the full local backward below gives the other gradients)
-                D[i] = backends.entering_state_gradient(ctx.backend, *args, scale, do[:, s:e])[0].to(D.dtype)
+                # D: gradient of the entering state with a zero gradient leaving the part (reverse walks
+                # alone; the full local backward below gives the other gradients)
+                D[i] = span.span_entering_gradient(ctx.backend, *args, scale, do[:, s:e], _segment_chunks(plan),
+                                                   warmup)
         # M'_p is nonzero only where the first sequence also leaves the part: the forward's M
         exchange = _Exchange(cp, D, M_spanning)
         dD, dM = exchange.wait()
@@ -163,6 +167,11 @@ class InterCardCPFunction(torch.autograd.Function):
 
 def _sequence_span(cp: CPContext, n: int) -> tuple[int, int]:
     return cp.local_bounds[n], cp.local_bounds[n + 1]
+
+
+def _segment_chunks(plan) -> int:
+    """Segment length of the span summaries: the call's intra-card one, else span.py's default."""
+    return plan.segment_chunks if plan.segment_chunks > 0 else span.DEFAULT_SEGMENT_CHUNKS
 
 
 def _sub_plan(plan, start: int, end: int):

@@ -104,25 +104,32 @@ def forward(name: str, call: Call, scale: float, output_final_state: bool, plan,
     return torch_backend.forward(c.q, c.k, c.v, c.g, c.beta, scale, c.initial_state, output_final_state, plan, cp_warmup)
 
 
-def summary(name: str, q, k, v, g, beta, with_transition: bool):
-    """(S*, M or None) of one whole sequence [1, T] started from zero: S_end = M S_start + S* (design §3).
+def summary(name: str, q, k, v, g, beta, with_transition: bool, segments: tuple[int, ...] | None = None):
+    """(S*, M or None) of every run of [1, T] started from zero: S_end = M S_start + S* (design §3). The runs
+    are the whole sequence, or the segments at offsets `segments` (0, ..., T) as one varlen batch.
 
     On "tilelang" both come from the state-only summary walk (S* from zero, M as the walk of U = 0 from
     S0 = I, chunk_states.py); on "torch" from the reference (a state walk and the pairwise transition
-    product). Shapes [1, Hv, K, V] and [1, Hv, K, K], fp32 (fp64 for fp64 inputs)."""
+    product). Shapes [runs, Hv, K, V] and [runs, Hv, K, K], fp32 (fp64 for fp64 inputs)."""
     if name == "tilelang":
         hopper, _ = _hopper_kernels()
-        return hopper.summaries(hopper.prepare(q, k, v, g, beta, None), with_transition)
-    return torch_backend.summary(q, k, v, g, beta, with_transition)
+        return hopper.summaries(hopper.prepare(q, k, v, g, beta, _offsets_on(segments, q.device)), with_transition)
+    return torch_backend.summary(q, k, v, g, beta, with_transition, segments)
 
 
-def entering_state_gradient(name: str, q, k, v, g, beta, scale, do):
-    """dS0 of one whole sequence [1, T] when the gradient of its final state is zero: the reverse walk
-    alone. Inter-card CP's D_p (flashqla/cp/inter.py); [1, Hv, K, V], fp32 (fp64 for fp64 inputs)."""
+def entering_state_gradient(name: str, q, k, v, g, beta, scale, do, segments: tuple[int, ...] | None = None):
+    """dS0 of every run of [1, T] (as in `summary`) when the gradient of its final state is zero: the reverse
+    walk alone. Inter-card CP's D (flashqla/cp/span.py); [runs, Hv, K, V], fp32 (fp64 for fp64 inputs)."""
     if name == "tilelang":
         hopper, _ = _hopper_kernels()
-        return hopper.entering_state_gradients(q, k, v, g, beta, scale, None, do)
-    return torch_backend.entering_state_gradient(q, k, v, g, beta, scale, do)
+        return hopper.entering_state_gradients(q, k, v, g, beta, scale, _offsets_on(segments, q.device), do)
+    return torch_backend.entering_state_gradient(q, k, v, g, beta, scale, do, segments)
+
+
+@functools.lru_cache(maxsize=64)
+def _offsets_on(segments: tuple[int, ...] | None, device: torch.device) -> torch.Tensor | None:
+    """`segments` as the kernels' int32 cu_seqlens on `device`, built once per span layout."""
+    return None if segments is None else torch.tensor(segments, dtype=torch.int32, device=device)
 
 
 def backward(name: str, call: Call, scale: float, plan, cp_warmup, do, dht):

@@ -64,7 +64,13 @@ def chunk_gated_delta_rule(
         cu_seqlens: int32/int64 offsets of packed sequences (B must be 1), from 0 to T.
         use_qk_l2norm_in_kernel: L2-normalise q and k over the head dim first (eps 1e-6).
         backend: "auto" (TileLang on SM90 when it can run the call, else torch), "torch", "tilelang".
-        intra_cp, cp_warmup, cp_context: intra-card / inter-card context parallelism (see flashqla.cp).
+        intra_cp, cp_warmup, cp_context: intra-card / inter-card context parallelism (see flashqla.cp and
+            docs/cp.md). cp_warmup (natural-log decay threshold, None = exact everywhere) serves both:
+            within a card, a (segment, head) whose gate decays past it over the chunks before the
+            segment restarts from zero a few chunks early instead of taking the transition product M;
+            across ranks, a sequence's span on a rank whose gates decay past it for EVERY head within
+            fewer chunks than the span has is summarised over its last few chunks with M = 0 (its
+            entering-state gradient over its first few), any other span exactly.
 
     Returns:
         o [B, T, Hv, V] in q's dtype, and the final state [N, Hv, K, V] in fp32 (or None).

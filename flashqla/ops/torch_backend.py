@@ -115,20 +115,21 @@ def backward(q, k, v, g, beta, scale, initial_state, plan: SegmentPlan, do, dht,
     return dq, dk, dv, dg, dbeta, dh0
 
 
-def entering_state_gradient(q, k, v, g, beta, scale, do):
-    """dS0 of one whole sequence [1, T] when the gradient of its final state is zero: the reverse walk
-    alone (no state recompute, no chunk-local gradients). Inter-card CP's D_p (flashqla/cp/inter.py)."""
-    plan = make_plan(1, q.shape[1], None, 0)
-    p = _Prepared(q, k, v, g, beta, None, plan)
+def entering_state_gradient(q, k, v, g, beta, scale, do, segments: tuple[int, ...] | None = None):
+    """dS0 of every run of [1, T] (the whole sequence, or the segments at offsets `segments`, one grid row
+    each) when the gradient of its final state is zero: the reverse walk alone (no state recompute, no
+    chunk-local gradients). Inter-card CP's D (flashqla/cp/span.py); [runs, Hv, K, V]."""
+    p = _Prepared(q, k, v, g, beta, None, make_plan(1, q.shape[1], segments, 0))
     dO = p.grid.gather(_flat(do).to(p.x.q.dtype)).movedim(3, 2)
     b = reference.backward_terms(p.x, dO, scale)
     _, dS0 = reference.reverse_walk(p.x, b, torch.zeros_like(p.S0_sequences))
     return dS0
 
 
-def summary(q, k, v, g, beta, with_transition: bool):
-    """(S*, M or None) of one whole sequence [1, T] from one chunk grid: the state walk from zero and the
-    pairwise transition product (S_end = M S_start + S*, design doc §3); [1, Hv, K, V] and [1, Hv, K, K]."""
-    p = _Prepared(q, k, v, g, beta, None, make_plan(1, q.shape[1], None, 0))
+def summary(q, k, v, g, beta, with_transition: bool, segments: tuple[int, ...] | None = None):
+    """(S*, M or None) of every run of [1, T] (as in `entering_state_gradient`) from one chunk grid: the
+    state walk from zero and the pairwise transition product (S_end = M S_start + S*, design doc §3);
+    [runs, Hv, K, V] and [runs, Hv, K, K]."""
+    p = _Prepared(q, k, v, g, beta, None, make_plan(1, q.shape[1], segments, 0))
     _, _, S_star = reference.state_walk(p.x, p.S0_sequences, 1.0, with_output=False)  # fp32 (fp64 for fp64)
     return S_star, reference.transition_product(p.x) if with_transition else None
