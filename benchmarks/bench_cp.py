@@ -2,7 +2,13 @@
 same process group, same inputs. Reports fwd and fwd+bwd time per step (median of --reps, CUDA events
 around a barrier-aligned step), scaling efficiency against the same implementation on one GPU
 (t_1 / (W t_W)), and flashqla's exposed exchange (its CP step minus its local step on the same shard
-with no CP).
+with no CP). flashqla runs twice: "flashqla exact" (cp_warmup=None: every span summary is the exact
+segmented one) and "flashqla warmup" (the default cp_warmup: a span whose heads all decay past it is
+summarised over its last few chunks, flashqla/cp/span.py).
+
+Gates are model-like, g = -exp(A_log) softplus(x + dt_bias) with A_log = log U(1, 16) and dt_bias = 1
+(Qwen3-Next's initialisation): every head decays. --zero-heads sets a quarter of the heads to g = 0,
+which sends every span down the exact path.
 
     torchrun --nproc-per-node 2 benchmarks/bench_cp.py --tokens 262144,1048576 --heads 8,16,32 --out cp.md
 
@@ -29,13 +35,14 @@ from flashqla.cp import build_cp_context  # noqa: E402
 D = 128
 
 
-def inputs(T, Hqk, Hv, device, seed=0):
+def inputs(T, Hqk, Hv, device, zero_heads=False, seed=0):
     gen = torch.Generator(device=device).manual_seed(seed)
     randn = lambda *s: torch.randn(*s, generator=gen, device=device)  # noqa: E731
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    A = torch.empty(Hv, device=device).uniform_(0.01, 16, generator=gen)
+    A = torch.empty(Hv, device=device).uniform_(1, 16, generator=gen)
     g = -A * F.softplus(randn(1, T, Hv) + 1.0)
-    g[..., : Hv // 4] = 0.0
+    if zero_heads:
+        g[..., : Hv // 4] = 0.0
     return dict(q=F.normalize(randn(1, T, Hqk, D), dim=-1).to(dtype), k=F.normalize(randn(1, T, Hqk, D), dim=-1).to(dtype),
                 v=randn(1, T, Hv, D).to(dtype), g=g, beta=torch.sigmoid(randn(1, T, Hv)).to(dtype))
 
@@ -47,14 +54,17 @@ class Impl:
         self.name, self.make = name, make
 
 
-def make_flashqla(cu, group, Hv):
-    ctx = build_cp_context(cu, group=group)
+def make_flashqla(**options):
+    """flashqla's CP with `options` of chunk_gated_delta_rule (cp_warmup=None for the exact summaries)."""
+    def make(cu, group, Hv):
+        ctx = build_cp_context(cu, group=group)
 
-    def step(x, backward):
-        o, _ = flashqla.chunk_gated_delta_rule(**x, cp_context=ctx)
-        if backward:
-            o.float().sum().backward()
-    return step
+        def step(x, backward):
+            o, _ = flashqla.chunk_gated_delta_rule(**x, cp_context=ctx, **options)
+            if backward:
+                o.float().sum().backward()
+        return step
+    return make
 
 
 def make_flashqla_local(cu, group, Hv):
@@ -93,7 +103,8 @@ def make_flash_qla(cu, group, Hv):
     return step
 
 
-IMPLS = [Impl("flashqla", make_flashqla), Impl("FLA CP", make_fla), Impl("FlashQLA dual CP", make_flash_qla)]
+IMPLS = [Impl("flashqla exact", make_flashqla(cp_warmup=None)), Impl("flashqla warmup", make_flashqla()),
+         Impl("FLA CP", make_fla), Impl("FlashQLA dual CP", make_flash_qla)]
 
 
 def median_ms(step, x, backward, reps, device):
@@ -129,6 +140,7 @@ def main():
     ap.add_argument("--heads", default="8,16,32", help="v heads (q/k heads = Hv / 2)")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--out", default="cp_benchmark.md")
+    ap.add_argument("--zero-heads", action="store_true", help="a quarter of the heads at g = 0 (no decay)")
     args = ap.parse_args()
     cuda = torch.cuda.is_available()
     dist.init_process_group("nccl" if cuda else "gloo")
@@ -140,7 +152,7 @@ def main():
     rows, notes = [], []
     for T in (int(t) for t in args.tokens.split(",")):
         for Hv in (int(h) for h in args.heads.split(",")):
-            x = inputs(T, max(1, Hv // 2), Hv, device)
+            x = inputs(T, max(1, Hv // 2), Hv, device, args.zero_heads)
             cu = torch.tensor([0, T], dtype=torch.int32, device=device)
             local = shard(x, rank, world)
             local_ms = {b: median_ms(make_flashqla_local(None, None, Hv), local, b, args.reps, device)
@@ -166,7 +178,7 @@ def main():
                                 if i >= 3:
                                     times.append((time.perf_counter() - t0) * 1e3)
                             row[key] = statistics.median(times)
-                    if impl.name == "flashqla":
+                    if impl.name.startswith("flashqla"):
                         row["exposed_fwd"] = row["fwd"] - local_ms[False]
                         row["exposed_fwd+bwd"] = row["fwd+bwd"] - local_ms[True]
                 except Exception as exc:  # a peer that is missing or fails here is reported
@@ -176,8 +188,9 @@ def main():
                     print(row, flush=True)
     if rank == 0:
         fmt = lambda v: "n/a" if v is None else f"{v:.2f}"  # noqa: E731
+        gates = "a quarter of the heads at g = 0" if args.zero_heads else "every head decaying"
         lines = [f"# Inter-card CP, {world} ranks ({torch.cuda.get_device_name() if cuda else 'cpu'}), "
-                 f"{datetime.date.today()}", "",
+                 f"{datetime.date.today()}, gates: {gates}", "",
                  "| impl | tokens | Hv | fwd ms | fwd+bwd ms | 1-GPU fwd+bwd ms | scaling eff. | exposed exchange fwd / fwd+bwd ms |",
                  "|---|---|---|---|---|---|---|---|"]
         for r in rows:
