@@ -15,6 +15,8 @@ TARGET = {"kind": "cuda", "arch": "sm_90a"}
 BLOCK_V_CHOICES = (128, 64, 32)
 # A CTA per (sequence, v-head, V tile) walks its sequence serially, so a call with few sequences x
 # heads leaves SMs idle; narrower V tiles give more CTAs at the cost of re-reading Q, K and Ab.
+# benchmarks/bench_walks.py on the H200 (2026-11-30, docs/benchmarks.md): this threshold picks the
+# fastest width for the two walks together at 1 x 8, 1 x 32, 8 x 8, 4 x 32, 4 x 64 and 64 x 8 walks.
 MIN_CTAS_PER_SM = 0.7
 
 _TORCH_TO_TL = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
