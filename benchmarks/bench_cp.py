@@ -11,6 +11,7 @@ Gates are model-like, g = -exp(A_log) softplus(x + dt_bias) with A_log = log U(1
 which sends every span down the exact path.
 
     torchrun --nproc-per-node 2 benchmarks/bench_cp.py --tokens 262144,1048576 --heads 8,16,32 --out cp.md
+        [--impls "flashqla exact,flashqla warmup,FLA CP"] [--zero-heads]
 
 Each peer is optional: one that is not installed or fails is reported, not fatal. On CPU (gloo) only
 flashqla runs, which makes a quick dry run of the script.
@@ -141,7 +142,13 @@ def main():
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--out", default="cp_benchmark.md")
     ap.add_argument("--zero-heads", action="store_true", help="a quarter of the heads at g = 0 (no decay)")
+    ap.add_argument("--impls", default=",".join(i.name for i in IMPLS),
+                    help="comma-separated subset of: " + ", ".join(i.name for i in IMPLS))
     args = ap.parse_args()
+    chosen = args.impls.split(",")
+    unknown = set(chosen) - {i.name for i in IMPLS}
+    if unknown:
+        ap.error(f"--impls: unknown {sorted(unknown)}")
     cuda = torch.cuda.is_available()
     dist.init_process_group("nccl" if cuda else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -157,7 +164,7 @@ def main():
             local = shard(x, rank, world)
             local_ms = {b: median_ms(make_flashqla_local(None, None, Hv), local, b, args.reps, device)
                         for b in (False, True)}
-            for impl in IMPLS:
+            for impl in (i for i in IMPLS if i.name in chosen):
                 row = dict(impl=impl.name, T=T, Hv=Hv)
                 try:
                     step = impl.make(cu, dist.group.WORLD, Hv)
