@@ -118,9 +118,15 @@ class InterCardCPFunction(torch.autograd.Function):
                 if M_piece is not None:  # None: not spanning, or the warmup dropped it
                     M[i] = M_piece
         exchange = _Exchange(cp, S_star, M)
-        # while the summaries travel: every sequence that starts on this rank (zero initial state)
+        # while the summaries travel: every sequence that starts on this rank (zero initial state), each
+        # sequence computed once (a sequence continuing from an earlier part waits for its state below)
+        o = q.new_empty(v.shape)
+        for s, e in _ranges_starting_here(cp):
+            bounds = tuple(b - s for b in cp.local_bounds if s <= b <= e)
+            cu_range = backends.device_offsets(bounds, q.device)
+            o[:, s:e] = _local_forward(*[_span(t, s, e) for t in (q, k, v, g, beta)], scale, None, cu_range,
+                                       _range_plan(plan, bounds), cp_warmup, backend)
         initial_state = q.new_zeros((len(cp.local_bounds) - 1, Hv, K, V), dtype=dtype)
-        o = _local_forward(q, k, v, g, beta, scale, initial_state, cp.cu_seqlens, plan, cp_warmup, backend)
         states, mats = exchange.wait()
         S_enter = _fold_forward(cp, states, mats)
         for piece in cp.pieces:
@@ -172,6 +178,24 @@ def _sequence_span(cp: CPContext, n: int) -> tuple[int, int]:
 def _segment_chunks(plan) -> int:
     """Segment length of the span summaries: the call's intra-card one, else span.py's default."""
     return plan.segment_chunks if plan.segment_chunks > 0 else span.DEFAULT_SEGMENT_CHUNKS
+
+
+def _ranges_starting_here(cp: CPContext) -> list[tuple[int, int]]:
+    """Local token ranges [start, end) whose sequences all start on this rank: each piece without the
+    sequence it continues from the part before (empty when that sequence fills the piece)."""
+    ranges = []
+    for piece in cp.pieces:
+        start, end = piece.local_start, piece.local_start + piece.length
+        if piece.first_seq_continues:
+            start = cp.local_bounds[cp.first_sequence_of(piece) + 1]
+        if start < end:
+            ranges.append((start, end))
+    return ranges
+
+
+def _range_plan(plan, bounds: tuple[int, ...]):
+    """The call's segment length, for the sequences at offsets `bounds` of a range of the local stream."""
+    return torch_backend.make_plan(1, bounds[-1], list(bounds), plan.segment_chunks)
 
 
 def _sub_plan(plan, start: int, end: int):

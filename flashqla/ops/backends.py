@@ -113,7 +113,7 @@ def summary(name: str, q, k, v, g, beta, with_transition: bool, segments: tuple[
     product). Shapes [runs, Hv, K, V] and [runs, Hv, K, K], fp32 (fp64 for fp64 inputs)."""
     if name == "tilelang":
         hopper, _ = _hopper_kernels()
-        return hopper.summaries(hopper.prepare(q, k, v, g, beta, _offsets_on(segments, q.device)), with_transition)
+        return hopper.summaries(hopper.prepare(q, k, v, g, beta, device_offsets(segments, q.device)), with_transition)
     return torch_backend.summary(q, k, v, g, beta, with_transition, segments)
 
 
@@ -122,13 +122,14 @@ def entering_state_gradient(name: str, q, k, v, g, beta, scale, do, segments: tu
     walk alone. Inter-card CP's D (flashqla/cp/span.py); [runs, Hv, K, V], fp32 (fp64 for fp64 inputs)."""
     if name == "tilelang":
         hopper, _ = _hopper_kernels()
-        return hopper.entering_state_gradients(q, k, v, g, beta, scale, _offsets_on(segments, q.device), do)
+        return hopper.entering_state_gradients(q, k, v, g, beta, scale, device_offsets(segments, q.device), do)
     return torch_backend.entering_state_gradient(q, k, v, g, beta, scale, do, segments)
 
 
 @functools.lru_cache(maxsize=64)
-def _offsets_on(segments: tuple[int, ...] | None, device: torch.device) -> torch.Tensor | None:
-    """`segments` as the kernels' int32 cu_seqlens on `device`, built once per span layout."""
+def device_offsets(segments: tuple[int, ...] | None, device: torch.device) -> torch.Tensor | None:
+    """Host offsets `segments` as the kernels' int32 cu_seqlens on `device`, built once per layout (no
+    host-to-device copy per step)."""
     return None if segments is None else torch.tensor(segments, dtype=torch.int32, device=device)
 
 
