@@ -14,6 +14,7 @@ from functools import partial
 
 import torch
 
+from megatron.core import parallel_state
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
 from megatron.core.enums import ModelType
@@ -99,7 +100,9 @@ def get_batch(data_iterator):
     """Next micro-batch (tokens, labels, loss_mask, attention_mask, position_ids), this CP rank's part."""
     batch = next(data_iterator)
     batch = {name: value.to(torch.cuda.current_device()) if torch.is_tensor(value) else value for name, value in batch.items()}
-    batch = get_batch_on_this_cp_rank(batch, is_hybrid_cp=False)
+    # the CP group explicitly: megatron-core 0.19 falls back to the default (world) group, which slices
+    # the sequence over every rank as soon as TP or DP > 1
+    batch = get_batch_on_this_cp_rank(batch, is_hybrid_cp=False, cp_group=parallel_state.get_context_parallel_group())
     return batch["tokens"], batch["labels"], batch["loss_mask"], batch.get("attention_mask"), batch["position_ids"]
 
 

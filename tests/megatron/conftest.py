@@ -11,7 +11,7 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.training.global_vars import destroy_global_vars
 
 TWO_RANK_SCENARIOS = ["tp2", "cp2_head_a2a", "cp2_state_passing", "cp2_state_passing_odd_heads",
-                      "contexts_shared", "load_tp2", "hybrid_gpt_cp2"]
+                      "contexts_shared", "load_tp2", "hybrid_gpt_cp2", "batch_slicing"]
 
 
 def save_reference(path, seq_len, batch, cu_seqlens=None, A_log=(-4.0, 0.0, 1.0, 2.0), dtype=torch.float32, seed=0,

@@ -199,8 +199,25 @@ def hybrid_gpt_cp2(workdir):
     return checks.failures
 
 
+def batch_slicing(workdir):
+    """The launcher's get_batch slices a row over the CP group only: whole at TP 2, Megatron's load-balanced
+    halves at CP 2 (megatron-core 0.19 slices over the world group unless it is given the CP group)."""
+    from flashqla.megatron.pretrain_gpt import get_batch
+
+    checks = Checks()
+    row = torch.arange(16).view(1, 16)
+    batch = dict(tokens=row, labels=row + 1, loss_mask=torch.ones(1, 16), position_ids=row, attention_mask=None)
+    for tp, cp in ((2, 1), (1, 2)):
+        h.init_parallel(tp=tp, cp=cp)
+        tokens = get_batch(iter([dict(batch)]))[0]
+        want = load_balanced(row.view(16), cp, parallel_state.get_context_parallel_rank()).view(1, -1)
+        checks.true(f"TP {tp} CP {cp}: tokens {tokens.tolist()} instead of {want.tolist()}",
+                    tokens.shape == want.shape and torch.equal(tokens.cpu(), want))
+    return checks.failures
+
+
 SCENARIOS = {f.__name__: f for f in (tp2, cp2_head_a2a, cp2_state_passing, cp2_state_passing_odd_heads,
-                                     contexts_shared, load_tp2, hybrid_gpt_cp2)}
+                                     contexts_shared, load_tp2, hybrid_gpt_cp2, batch_slicing)}
 
 if __name__ == "__main__":
     torch.set_num_threads(1)

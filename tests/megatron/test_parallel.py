@@ -35,3 +35,7 @@ def test_state_passing_builds_one_cp_context_per_batch_layout_shared_by_all_laye
 
 def test_checkpoint_saved_at_tp_1_loads_at_tp_2(two_rank_results):
     assert_passed(two_rank_results, "load_tp2")
+
+
+def test_launcher_slices_a_row_over_the_cp_group_only(two_rank_results):
+    assert_passed(two_rank_results, "batch_slicing")
