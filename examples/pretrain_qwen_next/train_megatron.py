@@ -34,8 +34,12 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
-import torch.distributed as dist
+# Megatron asserts this under TP or CP on GPUs (its overlapped TP communication relies on one hardware
+# queue); it must be set before CUDA starts, so set it here rather than make every launch line carry it
+os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
