@@ -34,6 +34,8 @@ def main():
     ap.add_argument("--backend", default="auto")
     ap.add_argument("--cp-warmup", type=float, default=None, help="cp_warmup of the CP run (default: exact)")
     ap.add_argument("--no-zero-head", action="store_true", help="every head decays (no g = 0 head)")
+    ap.add_argument("--reference-intra-cp", default="auto",
+                    help="intra_cp of the single-GPU reference ('off': one walk per sequence, no M folds)")
     args = ap.parse_args()
     cuda = torch.cuda.is_available()
     dist.init_process_group("nccl" if cuda else "gloo")  # gloo on CPU: a dry run of this script
@@ -57,7 +59,8 @@ def main():
     do = randn(1, T, Hv, 128).bfloat16()
 
     ref_in = {n: t.clone().requires_grad_(True) for n, t in x.items()}
-    o_ref, _ = flashqla.chunk_gated_delta_rule(**ref_in, cu_seqlens=cu, backend=args.backend, cp_warmup=None)
+    o_ref, _ = flashqla.chunk_gated_delta_rule(**ref_in, cu_seqlens=cu, backend=args.backend, cp_warmup=None,
+                                               intra_cp=args.reference_intra_cp)
     (o_ref.float() * do.float()).sum().backward()
 
     ctx = build_cp_context(cu, group=dist.group.WORLD, layout=args.layout)
