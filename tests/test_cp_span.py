@@ -150,13 +150,3 @@ def _warmup_and_exact_fallback(rank, world):
 @pytest.mark.parametrize("world", [2, 3])
 def test_cp_warmup_across_ranks_is_within_its_bound_and_falls_back_to_exact_for_a_g0_head(world):
     run_on_ranks(world, _warmup_and_exact_fallback)
-
-
-def test_kernel_spans_are_cut_into_at_most_a_few_segments_and_the_reference_into_as_many_as_asked():
-    from flashqla.cp.span import KERNEL_MAX_SEGMENTS, _segment_chunks_for, segment_bounds
-
-    chunks = 2048  # a 131K-token span
-    L = _segment_chunks_for("tilelang", chunks * 64, 64)
-    assert len(segment_bounds(chunks * 64, L)) - 1 == KERNEL_MAX_SEGMENTS
-    assert _segment_chunks_for("tilelang", 100 * 64 + 5, 64) == 64  # short spans keep the asked length
-    assert _segment_chunks_for("torch", chunks * 64, 64) == 64

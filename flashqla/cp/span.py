@@ -8,8 +8,7 @@ chunks that run as one packed varlen batch, every segment from zero (design doc 
                M_j, folded from the end:  D = D_0 + M_0^T (D_1 + M_1^T (D_2 + ...))
 
 so the serial part is one segment long instead of the whole span. The folds run in fp32 (fp64 for fp64
-inputs), pairwise (log2(segments) batched products). On the kernels a span is cut into at most
-KERNEL_MAX_SEGMENTS segments (their M_j carry the input dtype's rounding, see below).
+inputs), pairwise (log2(segments) batched products).
 
 Warmup (design doc §4, the threshold `cp_warmup` that intra-card CP uses): when the gates of EVERY
 v-head decay by more than e^cp_warmup over the last W chunks of the span (W fewer than all of them),
@@ -34,17 +33,6 @@ from ..ops.layout import CHUNK
 # segment length when the call has no intra-card plan: long enough that the summary walks fill the GPU
 # with segments x heads CTAs, short enough that the serial walk is a small part of the local forward
 DEFAULT_SEGMENT_CHUNKS = 64
-# On the bf16/fp16 kernels M_j comes from a walk whose GEMM operand is the state rounded to the input
-# dtype, so every fold adds that rounding to the states it carries: on 2 H200s a 131K-token span in 32
-# segments put 5.3e-3 of relative error on the next rank's output (g = 0 head, exact mode), against
-# 1.2e-4 with no segments. The kernels' exact path therefore uses at most this many segments.
-KERNEL_MAX_SEGMENTS = 4
-
-
-def _segment_chunks_for(backend: str, length: int, segment_chunks: int) -> int:
-    if backend != "tilelang":
-        return segment_chunks
-    return max(segment_chunks, math.ceil(math.ceil(length / CHUNK) / KERNEL_MAX_SEGMENTS))
 
 
 def segment_bounds(length: int, segment_chunks: int) -> tuple[int, ...]:
@@ -95,8 +83,7 @@ def _tokens(tensors, start: int, end: int):
 def _segmented_summary(backend, inputs, segment_chunks: int, with_transition: bool):
     """(S*, M or None) of the whole of `inputs` ([1, T] tensors) from its segments' summaries."""
     dtype = reference.work_dtype(inputs[0])
-    length = inputs[0].shape[1]
-    bounds = segment_bounds(length, _segment_chunks_for(backend, length, segment_chunks))
+    bounds = segment_bounds(inputs[0].shape[1], segment_chunks)
     several = len(bounds) > 2  # folding S* needs the M_j of later segments
     S_star, M = backends.summary(backend, *inputs, with_transition or several, bounds)
     S_star, M = S_star.to(dtype), None if M is None else M.to(dtype)
@@ -124,8 +111,7 @@ def span_summary(backend, q, k, v, g, beta, spanning: bool, segment_chunks: int,
 def _segmented_entering_gradient(backend, inputs, scale: float, do, segment_chunks: int):
     """D of the whole of `inputs` ([1, T] tensors, output gradient `do`) from its segments' D_j and M_j."""
     dtype = reference.work_dtype(inputs[0])
-    length = inputs[0].shape[1]
-    bounds = segment_bounds(length, _segment_chunks_for(backend, length, segment_chunks))
+    bounds = segment_bounds(inputs[0].shape[1], segment_chunks)
     D = backends.entering_state_gradient(backend, *inputs, scale, do, bounds).to(dtype)
     if len(bounds) == 2:
         return D[0]
