@@ -199,3 +199,14 @@ def test_segments_as_packed_sequences_warm_up_over_the_previous_segment():
     err = rel_err(o[:, :, 1], o_ref[:, :, 1])
     assert 1e-12 < err <= 1e-4, err  # the warmup replaced the chain, within the bound
     assert rel_err(ht, ht_ref) <= 1e-4
+
+
+def test_fold_steps_are_views_for_one_sequence_and_index_tensors_for_a_pack():
+    """The scan's steps are slices where the rows at a position are consecutive (one GEMM written in place)."""
+    from flashqla.cp.intra import rows_at_positions
+
+    one = plan_segments((0,), (5 * 64,), 1)  # one sequence in 5 segments: positions 1..4, one row each
+    assert rows_at_positions(one, "cpu") == (slice(1, 2), slice(2, 3), slice(3, 4), slice(4, 5))
+    pack = plan_segments((0, 5 * 64), (5 * 64, 2 * 64), 1)  # rows 0-4 and 5-6
+    steps = rows_at_positions(pack, "cpu")
+    assert torch.equal(steps[0], torch.tensor([1, 6])) and steps[1:] == (slice(2, 3), slice(3, 4), slice(4, 5))

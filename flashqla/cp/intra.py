@@ -33,6 +33,34 @@ def _row_index(rows, device):
     return torch.tensor(rows, dtype=torch.long, device=device)
 
 
+def rows_at_positions(plan: SegmentPlan, device) -> tuple:
+    """The rows at position 1, 2, ... within their sequence, one entry per position: a slice when they
+    are consecutive rows (always, for one segmented sequence), else an index tensor on `device`."""
+    steps = []
+    for k in range(1, max(plan.position) + 1):
+        rows = [r for r, p in enumerate(plan.position) if p == k]
+        consecutive = rows == list(range(rows[0], rows[0] + len(rows)))
+        steps.append(slice(rows[0], rows[0] + len(rows)) if consecutive else _row_index(rows, device))
+    return tuple(steps)
+
+
+def shifted(rows, by: int):
+    """`rows` (a slice or an index tensor) moved by `by` rows."""
+    if isinstance(rows, slice):
+        return slice(rows.start + by, rows.stop + by)
+    return rows + by
+
+
+def fold_step(out, rows, bias, mats, states):
+    """out[rows] = bias + mats @ states over [rows, Hv, ...] operands: one batched GEMM, written in place
+    when `rows` is a slice (the operands are then views)."""
+    flat = lambda t: t.flatten(0, 1)  # noqa: E731
+    if isinstance(rows, slice):
+        torch.baddbmm(flat(bias), flat(mats), flat(states), out=flat(out[rows]))
+    else:
+        out[rows] = torch.baddbmm(flat(bias), flat(mats), flat(states)).view(bias.shape)
+
+
 def warmup_plans(plan: SegmentPlan, gc: torch.Tensor, threshold: float | None):
     """Gate statistics -> (forward WarmupPlan, backward WarmupPlan).
 
@@ -98,19 +126,21 @@ def segment_initial_states(x, plan: SegmentPlan, fwd: WarmupPlan, bwd: WarmupPla
     M = _products_where_needed(x, needed)
     S0 = torch.empty_like(zeros)
     S0[_row_index(plan.first_rows, x.q.device)] = S0_sequences.to(S0.dtype)
-    steps = [_row_index([r for r, p in enumerate(plan.position) if p == k], x.q.device)
-             for k in range(1, max(plan.position) + 1)]
-    return chain_segments(S0, S_tail, M, fwd.exact, steps), M
+    return chain_segments(S0, S_tail, M, fwd.exact, rows_at_positions(plan, x.q.device)), M
 
 
 def chain_segments(S0, S_tail, M, exact, steps):
     """S_{j,0} = S_tail_{j-1} + [exact] M_{j-1} S_{j-1,0}, in place on S0 (its first rows already set).
 
-    steps: the rows at position 1, 2, ... within their sequence; each step depends on the one before.
+    steps: `rows_at_positions`, the rows at position 1, 2, ... within their sequence; each step depends on
+    the one before and is one batched GEMM (the exact mask is folded into M once).
     """
+    if not steps:
+        return S0
+    M_kept = M[:-1] * exact[1:, :, None, None].to(M.dtype)  # row j + 1 reads M_j only where exact
     for rows in steps:
-        chained = (M[rows - 1] @ S0[rows - 1]) * exact[rows, :, None, None]
-        S0[rows] = S_tail[rows - 1] + chained
+        before = shifted(rows, -1)
+        fold_step(S0, rows, S_tail[before], M_kept[before], S0[before])
     return S0
 
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .intra import chain_segments
+from .intra import chain_segments, fold_step, rows_at_positions, shifted
 from .plan import SegmentPlan
 
 
@@ -39,7 +39,7 @@ class _PlanTensors:
     has_prev: torch.Tensor  # [rows] bool
     first: torch.Tensor
     last: torch.Tensor
-    steps: tuple[torch.Tensor, ...]  # rows at position 1, 2, ... within their sequence
+    steps: tuple  # rows at position 1, 2, ... within their sequence (intra.rows_at_positions)
     segment_of_token: torch.Tensor  # [num_tokens] row of every token (the rows cover the stream)
 
 
@@ -47,8 +47,7 @@ class _PlanTensors:
 def _plan_tensors(plan: SegmentPlan, num_tokens: int, device: torch.device) -> _PlanTensors:
     as_tensor = lambda xs, dtype=torch.long: torch.tensor(xs, dtype=dtype, device=device)  # noqa: E731
     starts = as_tensor(plan.starts)
-    steps = tuple(as_tensor([r for r, p in enumerate(plan.position) if p == step])
-                  for step in range(1, max(plan.position) + 1))
+    steps = rows_at_positions(plan, device)
     return _PlanTensors(as_tensor(plan.starts + (plan.starts[-1] + plan.lengths[-1],), torch.int32), starts,
                         starts + as_tensor(plan.lengths), as_tensor(plan.position) > 0, as_tensor(plan.first_rows),
                         as_tensor(plan.last_rows), steps,
@@ -105,9 +104,11 @@ def exit_gradients(D, M, exact, idx: _PlanTensors, dht):
         X[idx.last] = dht.to(X.dtype)
     into_next = torch.ones_like(exact, dtype=D.dtype)
     into_next[:-1] = torch.where(idx.has_prev[1:, None], exact[1:].to(D.dtype), 1.0)
+    if not idx.steps:
+        return X
+    MT_kept = M.transpose(-1, -2) * into_next[:, :, None, None]
     for rows in reversed(idx.steps):  # rows at position p, from the deepest position back
-        chained = (M[rows].transpose(-1, -2) @ X[rows]) * into_next[rows, :, None, None]
-        X[rows - 1] = D[rows] + chained
+        fold_step(X, shifted(rows, -1), D[rows], MT_kept[rows], X[rows])
     return X
 
 
