@@ -13,7 +13,8 @@ CP all-to-all helpers. It changes three things:
   saves two memory passes over q and k and keeps only the inverse norms for backward;
 * the causal conv: flashqla's per-sequence conv (`flashqla.layers.conv`) instead of FLA's Triton
   conv, so the module builds and runs without FLA installed and handles packed sequences on any
-  device (Megatron's deterministic-mode `F.conv1d` cannot see `cu_seqlens`).
+  device (Megatron's deterministic-mode `F.conv1d` cannot see `cu_seqlens`); with SiLU and no conv
+  bias (Megatron's default) the SiLU runs inside it, i.e. inside the fused SM90 conv kernel.
 
 Context parallelism (`cp_mode`):
 
@@ -281,7 +282,12 @@ class GatedDeltaNet(MegatronGatedDeltaNet):
             prefix = halo_prefix(rows, cp_context, self.conv_kernel_dim - 1)
         elif cu_seqlens is None:  # padded batch: every row is its own sequence of T tokens
             cu_seqlens = torch.arange(0, (B + 1) * T, T, device=qkv.device, dtype=torch.int32)
-        out, _ = causal_conv1d(rows, weight.squeeze(1), cu_seqlens, prefix=prefix, silu=False)
+        # SiLU straight after the conv (Megatron's GDN default, no conv bias) runs inside the fused SM90
+        # conv kernel, as Megatron hands it to FLA's conv; a bias or another activation comes after the conv
+        fused_silu = self.activation == "silu" and not self.conv_bias
+        out, _ = causal_conv1d(rows, weight.squeeze(1), cu_seqlens, prefix=prefix, silu=fused_silu)
+        if fused_silu:
+            return out.reshape(B, T, C)
         if self.conv_bias:
             out = out + self._cp_local(self.conv1d.bias, sections)
         return self.act_fn(out.reshape(B, T, C))

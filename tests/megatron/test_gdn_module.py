@@ -157,3 +157,32 @@ def test_unknown_kernel_backend_or_cp_mode_is_a_value_error(bad):
     name = next(iter(bad))
     with pytest.raises(ValueError, match=name):
         h.build_flashqla_gdn(h.gdn_config(), **bad)
+
+
+def test_silu_after_the_conv_is_asked_of_the_conv_so_the_fused_kernel_can_serve_it(monkeypatch):
+    """Megatron's GDN applies SiLU right after its conv (FLA's conv fuses it); flashqla's module passes it
+    to flashqla's conv, whose SM90 kernel always applies it (with a separate SiLU the fused kernel is
+    refused and the conv runs in torch). A conv bias keeps the activation after the bias."""
+    import flashqla.megatron.gdn as gdn_module
+
+    asked = []
+    real_conv = gdn_module.causal_conv1d
+
+    def spy(*args, silu, **kwargs):
+        asked.append(silu)
+        return real_conv(*args, silu=silu, **kwargs)
+
+    monkeypatch.setattr(gdn_module, "causal_conv1d", spy)
+    x = torch.randn(24, 1, 32)
+    for conv_bias, want in ((False, True), (True, False)):
+        module = h.build_flashqla_gdn(h.gdn_config(), conv_bias=conv_bias)
+        reference = h.build_flashqla_gdn(h.gdn_config(), conv_bias=conv_bias)
+        reference.load_state_dict(module.state_dict())
+        out, _ = module(x, None)
+        monkeypatch.setattr(gdn_module, "causal_conv1d", real_conv)
+        assert asked[-1] is want
+        # the same output as SiLU applied separately after the unfused conv
+        monkeypatch.setattr(reference, "activation", "not silu")
+        expected, _ = reference(x, None)
+        monkeypatch.setattr(gdn_module, "causal_conv1d", spy)
+        assert torch.allclose(out, expected, rtol=1e-6, atol=1e-6)
