@@ -2,8 +2,8 @@
 
 The subclass keeps everything Megatron owns: parameter names and shapes, `in_proj`'s
 [q|k|v|z|beta|alpha] sectioning per TP rank, initialisation, `sharded_state_dict` (so dist
-checkpoints written by Megatron's FLA-based GDN load here and back), the gated output norm and the
-CP all-to-all helpers. It changes three things:
+checkpoints written by Megatron's FLA-based GDN load here and back), the output norm module and the
+CP all-to-all helpers. It changes four things:
 
 * the kernel: `self.gated_delta_rule` is rebound (in Megatron's `_setup_variant_attrs` hook) to
   `flashqla.chunk_gated_delta_rule`;
@@ -14,7 +14,10 @@ CP all-to-all helpers. It changes three things:
 * the causal conv: flashqla's per-sequence conv (`flashqla.layers.conv`) instead of FLA's Triton
   conv, so the module builds and runs without FLA installed and handles packed sequences on any
   device (Megatron's deterministic-mode `F.conv1d` cannot see `cu_seqlens`); with SiLU and no conv
-  bias (Megatron's default) the SiLU runs inside it, i.e. inside the fused SM90 conv kernel.
+  bias (Megatron's default) the SiLU runs inside it, i.e. inside the fused SM90 conv kernel;
+* the gated output norm: with an RMSNorm `out_norm` (not zero-centred) and SiLU, flashqla's gated RMSNorm
+  (`flashqla.layers.norm`, the fused SM90 kernel where it fits) on `out_norm.weight`, same values as
+  Megatron's `out_norm(x) * silu(gate)`; any other norm or activation keeps Megatron's.
 
 Context parallelism (`cp_mode`):
 
@@ -47,6 +50,7 @@ from megatron.core.ssm.gated_delta_net.gdn import GatedDeltaNet as MegatronGated
 
 import flashqla
 from flashqla.layers.conv import causal_conv1d
+from flashqla.layers.norm import gated_rms_norm
 from flashqla.layers.halo import halo_prefix
 from flashqla.megatron.cp_contexts import host_offsets, state_passing_context
 
@@ -192,6 +196,19 @@ class GatedDeltaNet(MegatronGatedDeltaNet):
         if self.recompute_norm_out:
             self.norm_out_checkpoint.discard_output_and_register_recompute(out)
         return out, out_bias
+
+    def _apply_gated_norm(self, x, gate):
+        """out_norm(x) * act(gate) per value head [tokens * heads, V]: flashqla's gated RMSNorm (the fused
+        SM90 kernel where the call fits it) when the output norm is a plain RMSNorm with a [V] weight and the
+        activation SiLU (Qwen3-Next's), Megatron's own otherwise (zero-centred gamma, another norm or
+        activation)."""
+        weight = getattr(self.out_norm, "weight", None)
+        plain_rms = (self.config.normalization == "RMSNorm" and not self.config.layernorm_zero_centered_gamma
+                     and getattr(self.out_norm, "bias", None) is None)
+        if self.activation != "silu" or not plain_rms or weight is None or weight.shape != (x.shape[-1],):
+            return super()._apply_gated_norm(x, gate)
+        D = x.shape[-1]
+        return gated_rms_norm(x.reshape(-1, D), gate.reshape(-1, D), weight, self.config.layernorm_epsilon)
 
     def _gated_norm_local(self, core_out, gate, batch, tokens):
         """Gated norm, back to Megatron's [s_local, b, v_dim / tp] with no all-to-all (state passing)."""

@@ -186,3 +186,29 @@ def test_silu_after_the_conv_is_asked_of_the_conv_so_the_fused_kernel_can_serve_
         expected, _ = reference(x, None)
         monkeypatch.setattr(gdn_module, "causal_conv1d", spy)
         assert torch.allclose(out, expected, rtol=1e-6, atol=1e-6)
+
+
+def test_gated_output_norm_is_flashqlas_gated_rmsnorm_and_equals_megatrons(monkeypatch):
+    """With an RMSNorm output norm and SiLU the module runs flashqla's gated RMSNorm (the fused SM90 kernel
+    where it fits): same values and gradients as Megatron's own out_norm(x) * silu(gate); zero-centred gamma
+    keeps Megatron's."""
+    import flashqla.megatron.gdn as gdn_module
+
+    calls = []
+    real_norm = gdn_module.gated_rms_norm
+    monkeypatch.setattr(gdn_module, "gated_rms_norm", lambda *a, **k: calls.append(1) or real_norm(*a, **k))
+    module = h.build_flashqla_gdn(h.gdn_config())
+    module.out_norm.weight.data.uniform_(0.5, 1.5)
+    x, gate = torch.randn(40, 16, requires_grad=True), torch.randn(40, 16, requires_grad=True)
+    ours = module._apply_gated_norm(x, gate)
+    assert calls
+    grads = torch.autograd.grad(ours.square().sum(), [x, gate, module.out_norm.weight])
+    theirs = MegatronGatedDeltaNet._apply_gated_norm(module, x, gate)
+    want = torch.autograd.grad(theirs.square().sum(), [x, gate, module.out_norm.weight])
+    assert rel_err(ours, theirs) < 1e-6
+    assert all(rel_err(a, b) < 1e-5 for a, b in zip(grads, want))
+
+    calls.clear()  # (the local spec's torch norm cannot be built zero-centred: flip the flag on the config)
+    monkeypatch.setattr(module.config, "layernorm_zero_centered_gamma", True)
+    module._apply_gated_norm(x, gate)
+    assert not calls
