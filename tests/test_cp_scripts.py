@@ -1,0 +1,37 @@
+"""The inter-card CP scripts that GPU sessions run (benchmarks/cp_nccl_parity.py, benchmarks/bench_cp.py),
+dry-run on two gloo ranks with the torch backend: device time is too scarce to find a broken script there."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.multiprocess
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run_two_ranks(script, *args, timeout=300):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           str(REPO / "benchmarks" / script), *args], env=env, capture_output=True, text=True,
+                          timeout=timeout, cwd=REPO)
+    log = done.stdout + done.stderr
+    assert done.returncode == 0, log[-4000:]
+    return log
+
+
+@pytest.mark.parametrize("extra", [[], ["--layout", "zigzag", "--cp-warmup", "-10", "--no-zero-head"]])
+def test_cp_nccl_parity_dry_run_agrees_on_every_rank(extra):
+    log = run_two_ranks("cp_nccl_parity.py", "--tokens", "1024", "--heads", "1,2", *extra)
+    assert sorted(line.split()[1] for line in log.splitlines() if line.startswith("rank ")) == ["0/2", "1/2"]
+
+
+def test_bench_cp_dry_run_times_both_flashqla_modes(tmp_path):
+    out = tmp_path / "cp.md"
+    run_two_ranks("bench_cp.py", "--tokens", "1024", "--heads", "2", "--reps", "1",
+                  "--impls", "flashqla exact,flashqla warmup", "--out", str(out))
+    table = out.read_text()
+    assert "| flashqla exact | 1024 | 2 |" in table and "| flashqla warmup | 1024 | 2 |" in table
