@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# One nvidia-h200-x2 call for the multi-GPU checks: the GPU tests on GPU 1, inter-card CP parity against one
+# GPU (exact and warmup, contiguous and zigzag), Megatron's GDN layer with flashqla (vs Megatron's FLA layer,
+# TP 2, CP 2 both modes), then bench_cp (flashqla exact / warmup, then FLA CP where time is left).
+# Carry .devsite and .devkernels (scripts/pack_device_kernels.sh); logs go to $OUT. About 9 minutes.
+#   BUDGET_S=560 scripts/device_cp.sh        # stop starting new steps after BUDGET_S seconds
+set -uo pipefail
+OUT=${OUT:-/tmp/out}; BUDGET_S=${BUDGET_S:-560}
+mkdir -p "$OUT" /tmp/s /tmp/tlc
+tar xJf .devsite/site.tar.xz -C /tmp/s && tar xJf .devkernels/kernels.tar.xz -C /tmp/tlc || exit 1
+export PYTHONPATH=/tmp/s/site:$PWD TILELANG_CACHE_DIR=/tmp/tlc PYTHONUNBUFFERED=1 FLASHQLA_TEST_PREBUILT=/tmp/tlc
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 FLA_FLASH_QLA=0
+python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >"$OUT/pip.log" 2>&1 || { cat "$OUT/pip.log"; exit 1; }
+nvidia-smi --query-gpu=name,clocks.sm,temperature.gpu,power.draw --format=csv | tee "$OUT/gpu.txt"
+say() { echo "== $* at $SECONDS s"; }
+left() { echo $(( BUDGET_S - SECONDS > 20 ? BUDGET_S - SECONDS : 20 )); }
+tr2=(python3 -m torch.distributed.run --standalone --nproc-per-node 2)
+
+CUDA_VISIBLE_DEVICES=1 timeout 120 python3 -m pytest -q -x -rf tests/gpu --ignore=tests/gpu/test_first_call_latency.py \
+  -k "not layer_ops" 2>&1 | tee "$OUT/tests.log" | tail -3
+say "GPU tests"
+for args in "--tokens 262144 --heads 2,8 --reference-intra-cp off" "--tokens 262144 --heads 2,8 --cp-warmup -10 --no-zero-head" \
+            "--tokens 65536 --heads 2,4 --layout zigzag --reference-intra-cp off"; do
+  timeout 60 "${tr2[@]}" benchmarks/cp_nccl_parity.py $args 2>&1 | grep "^rank\|Error" | tee -a "$OUT/cp_parity.log"
+done
+say "CP parity"
+timeout 220 "${tr2[@]}" benchmarks/megatron_gdn_layer.py 2>&1 | grep -v "Warning\|warn" | tee "$OUT/megatron_layer.log" \
+  | grep "flashqla\|output\|  d \|speed-up\|parity"
+say "Megatron layer"
+timeout "$(left)" "${tr2[@]}" benchmarks/bench_cp.py --tokens 262144,1048576 --heads 8,32 --reps 5 \
+  --impls "flashqla exact,flashqla warmup" --out "$OUT/bench_cp.md" 2>&1 | tee "$OUT/bench_cp.log" | grep "^|\|^- "
+say "bench_cp flashqla"
+timeout "$(left)" "${tr2[@]}" benchmarks/bench_cp.py --tokens 262144 --heads 8 --reps 5 --impls "FLA CP" \
+  --out "$OUT/bench_cp_fla.md" 2>&1 | tee "$OUT/bench_cp_fla.log" | grep "^|\|^- "
+say "bench_cp FLA"
