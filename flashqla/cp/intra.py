@@ -152,11 +152,12 @@ def segment_final_gradients(x, b: reference.BackwardTerms, plan: SegmentPlan, bw
     X = torch.empty_like(zeros)
     last = _row_index(plan.last_rows, x.q.device)
     X[last] = dS_sequences.to(X.dtype)
-    depth = [0] * len(plan.position)  # rows left in the sequence after this one
-    for r in reversed(range(len(plan.position) - 1)):
-        depth[r] = depth[r + 1] + 1 if plan.position[r + 1] > 0 else 0
-    for k in range(1, max(depth) + 1):
-        rows = _row_index([r for r, n in enumerate(depth) if n == k], x.q.device)
-        chained = (M[rows + 1].transpose(-1, -2) @ X[rows + 1]) * bwd.exact[rows, :, None, None]
-        X[rows] = D_head[rows + 1] + chained
+    steps = rows_at_positions(plan, x.q.device)
+    if not steps:
+        return X
+    # row j - 1 reads M_j^T only where its exit was chained exactly (the mask folded into M once)
+    MT_kept = M[1:].transpose(-1, -2) * bwd.exact[:-1, :, None, None].to(M.dtype)
+    for rows in reversed(steps):  # rows at position p, from the deepest position back
+        before = shifted(rows, -1)
+        fold_step(X, before, D_head[rows], MT_kept[before], X[rows])
     return X
