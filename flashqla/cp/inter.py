@@ -135,7 +135,7 @@ class InterCardCPFunction(torch.autograd.Function):
                 initial_state[n] = S_enter[piece.index]
                 s, e = _sequence_span(cp, n)
                 o[:, s:e] = _local_forward(*[_span(t, s, e) for t in (q, k, v, g, beta)], scale,
-                                           initial_state[n:n + 1], None, _sub_plan(plan, s, e), cp_warmup, backend)
+                                           initial_state[n:n + 1], None, _range_plan(plan, (0, e - s)), cp_warmup, backend)
         # M of a sequence spanning a whole part is also that part's M'_p in backward (0 where the warmup
         # dropped it, and the backward's D then takes the warmup too: span.py): keep it
         ctx.save_for_backward(q, k, v, g, beta, initial_state, M)
@@ -196,11 +196,6 @@ def _ranges_starting_here(cp: CPContext) -> list[tuple[int, int]]:
 def _range_plan(plan, bounds: tuple[int, ...]):
     """The call's segment length, for the sequences at offsets `bounds` of a range of the local stream."""
     return torch_backend.make_plan(1, bounds[-1], list(bounds), plan.segment_chunks)
-
-
-def _sub_plan(plan, start: int, end: int):
-    """The same segment length, for the single sequence [start, end) of the local stream."""
-    return torch_backend.make_plan(1, end - start, None, plan.segment_chunks)
 
 
 def _local_forward(q, k, v, g, beta, scale, initial_state, cu_seqlens, plan, cp_warmup, backend):
