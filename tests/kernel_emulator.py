@@ -80,25 +80,35 @@ def emulate_wy_inverse(k, beta, g, cu, offsets, v, Ab, gcum, w, u, chunk_slots, 
             _store(out, t0, n, X)
 
 
-def emulate_chunk_states(k, w, u, gcum, cu, offsets, h0, h_out, vnew, ht, use_h0, store_ht, store_chunks, use_u):
+def emulate_chunk_states(k, w, u, gcum, cu, offsets, h0, h_out, vnew, ht, mt, active, use_h0, store_ht, store_chunks,
+                         with_transition, use_active):
     Hv, D = w.shape[1], w.shape[2]
+    N = cu.numel() - 1
     hk = _qk_heads(k.shape[1], Hv)
-    S = None
-    for n, c, t0, rows in _chunks(cu):
-        if c == 0:
-            S = _start_state(h0, n, use_h0, Hv, D)
-        _, _, _, gamma_last, to_end = _gates(gcum, t0, rows)
-        if store_chunks:
-            h_out[offsets[n] + c] = S.to(h_out.dtype)
-        Vn = -(_rows(w, t0, rows) @ S)
-        if use_u:
-            Vn = Vn + _rows(u, t0, rows)
-        if store_chunks:
-            _store(vnew, t0, rows, Vn)
-        K = _rows(k, t0, rows, hk)
-        S = gamma_last[:, :, None] * S + K.transpose(-1, -2) @ (to_end[:, :, None] * Vn)
-        if store_ht and t0 + rows == cu[n + 1]:
-            ht[n * Hv:(n + 1) * Hv] = S.to(ht.dtype)
+    # walk 0: U from h0 (the states, or S*); walk 1 (with_transition): U = 0 from I, into mt (M)
+    for kind in range(1 + with_transition):
+        runs = active.view(2, N, Hv)[kind].bool() if use_active else torch.ones(N, Hv, dtype=torch.bool)
+        S = None
+        for n, c, t0, rows in _chunks(cu):
+            if c == 0:
+                if kind == 0:
+                    S = _start_state(h0, n, use_h0, Hv, D)
+                else:
+                    S = torch.eye(D, dtype=torch.float64).expand(Hv, D, D).clone()
+                S = S * runs[n, :, None, None]  # a skipped walk stores zeros
+            _, _, _, gamma_last, to_end = _gates(gcum, t0, rows)
+            if store_chunks:
+                h_out[offsets[n] + c] = S.to(h_out.dtype)
+            Vn = -(_rows(w, t0, rows) @ S)
+            if kind == 0:
+                Vn = Vn + _rows(u, t0, rows)
+            if store_chunks:
+                _store(vnew, t0, rows, Vn)
+            K = _rows(k, t0, rows, hk)
+            S = gamma_last[:, :, None] * S + K.transpose(-1, -2) @ (to_end[:, :, None] * Vn)
+            S = S * runs[n, :, None, None]
+            if store_ht and t0 + rows == cu[n + 1]:
+                (ht if kind == 0 else mt)[n * Hv:(n + 1) * Hv] = S.to(ht.dtype)
 
 
 def emulate_chunk_output(q, k, vnew, gcum, h_in, cu, offsets, o, scale, search_steps):

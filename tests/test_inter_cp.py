@@ -113,11 +113,12 @@ def _kernel_like_local_forward(rank, world):
     local forward through such a stand-in and check CP still equals the single-process run."""
     from flashqla.ops import backends, torch_backend
 
-    def whole_sequence_forward(name, call, scale, output_final_state, plan, cp_warmup):
+    def whole_sequence_forward(name, call, scale, output_final_state, plan, cp_warmup, for_backward=False):
         c = call
         bounds = None if c.cu_seqlens is None else c.cu_seqlens.tolist()
         own_plan = torch_backend.make_plan(c.q.shape[0], c.q.shape[1], bounds, 0)
-        return torch_backend.forward(c.q, c.k, c.v, c.g, c.beta, scale, c.initial_state, output_final_state, own_plan)
+        out = torch_backend.forward(c.q, c.k, c.v, c.g, c.beta, scale, c.initial_state, output_final_state, own_plan)
+        return (*out, None) if for_backward else out
 
     backends.forward = whole_sequence_forward
     _cp_equals_single_process(rank, world, [100, 1, 150, 3, 130], "contiguous", "off", (1, 2), torch.float32, 1e-5)

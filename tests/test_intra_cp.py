@@ -96,11 +96,12 @@ def test_auto_rule_stays_off_when_batch_fills_the_gpu():
 
 
 @pytest.mark.parametrize("lengths,heads,expected", [
-    ((32768,), 8, 64), ((16384,), 8, 64), ((32768,), 16, 64),  # measured gains on the H200
-    ((32768,), 24, 0),  # measured loss
-    ((8192,), 8, 0),  # 128 chunks: not measured to gain
-    ((4096,) * 8, 8, 0), ((8192,) * 4, 64, 0),  # the batch fills the GPU
-    ((24576, 8192), 4, 64),  # effective batch 1.33 x 4 heads
+    ((32768,), 8, 32), ((16384,), 8, 32), ((8192,), 8, 32), ((32768,), 16, 32), ((32768,), 24, 32),
+    ((32768,), 32, 128),  # measured gains on the H200
+    ((4096,), 8, 0),  # 64 chunks: not measured
+    ((8192,), 32, 0),  # 128 chunks: not longer than one 128-chunk segment
+    ((4096,) * 8, 8, 0), ((8192,) * 4, 64, 0), ((32768,), 64, 0),  # loads above 32 were not measured to gain
+    ((24576, 8192), 4, 32),  # effective batch 1.33 x 4 heads
 ])
 def test_tilelang_auto_rule_follows_the_h200_calibration(lengths, heads, expected):
     from flashqla.cp.plan import calibrated_segment_chunks, resolve_segment_chunks
@@ -147,45 +148,91 @@ class TorchKernels:
     def prepare(q, k, v, g, beta, cu):
         from types import SimpleNamespace
 
-        return SimpleNamespace(q=q, k=k, v=v, g=g, beta=beta, cu=cu)
+        bounds = cu.tolist()
+        gcum = g[0].t().clone()  # [Hv, T]: the chunk-local cumulative gate, as wy_inverse stores it
+        for bos, eos in zip(bounds[:-1], bounds[1:]):
+            for t0 in range(bos, eos, 64):
+                gcum[:, t0:min(t0 + 64, eos)] = gcum[:, t0:min(t0 + 64, eos)].cumsum(-1)
+        return SimpleNamespace(q=q, k=k, v=v, g=g, beta=beta, cu=cu, gcum=gcum, num_seqs=len(bounds) - 1,
+                               num_v_heads=v.shape[2])
 
-    def walk(self, x, h0=None, *, store_chunks=True, store_final=True, use_u=True):
+    def walk(self, x, h0=None, *, store_final=True, use_u=True):
         # U = 0: a K x K "state" from h0 = I walks to M (the kernels have K = V)
         v = x.v if use_u else x.v.new_zeros(x.v.shape[:-1] + (x.k.shape[-1],))
         _, ht = self._forward(x, v, 1.0, h0, True)
-        return (h0, None, ht if store_final else None) if store_chunks else (None, None, ht)
+        return h0, None, ht if store_final else None
 
-    def summaries(self, x, with_transition):
-        _, _, S_star = self.walk(x, None, store_chunks=False)
-        if not with_transition:
-            return S_star, None
+    def summaries(self, x, with_transition, active=None):
+        self.active = active
+        _, _, S_star = self.walk(x, None)
         K = x.k.shape[-1]
-        eye = torch.eye(K, dtype=S_star.dtype).expand(x.cu.numel() - 1, x.v.shape[2], K, K)
-        return S_star, self.walk(x, eye, store_chunks=False, use_u=False)[2]
+        eye = torch.eye(K, dtype=S_star.dtype).expand(x.num_seqs, x.num_v_heads, K, K)
+        M = self.walk(x, eye, use_u=False)[2] if with_transition else None
+        if active is not None:  # the kernel stores zeros for the walks it skips
+            S_star = S_star * active[0, :, :, None, None]
+            M = M * active[1, :, :, None, None]
+        return S_star, M
 
     def output(self, x, h, vnew, scale):
         return self._forward(x, x.v, scale, h, False)[0]
 
+    fused = False
 
-def composed(args, cu, segment_chunks, cp_warmup):
+    def use_fused(self, num_seqs, num_v_heads):
+        return self.fused
+
+    def fused_forward(self, x, v, h0, scale, store_final):
+        return self._forward(x, v, scale, h0, store_final)
+
+
+def composed(args, cu, segment_chunks, cp_warmup, fused=None, kernels=None):
     from flashqla.cp.segments import segmented_forward
     from flashqla.ops import torch_backend
 
     q = args["q"]
     plan = torch_backend.make_plan(q.shape[0], q.shape[1], None if cu is None else cu.tolist(), segment_chunks)
     assert plan.is_segmented
-    return segmented_forward(TorchKernels(), args["q"], args["k"], args["v"], args["g"], args["beta"], 0.25,
-                             args.get("initial_state"), True, plan, cp_warmup)
+    return segmented_forward(kernels or TorchKernels(), args["q"], args["k"], args["v"], args["g"], args["beta"],
+                             0.25, args.get("initial_state"), True, plan, cp_warmup, fused=fused)
 
 
-def test_segments_as_packed_sequences_equal_unsegmented_in_exact_mode():
+@pytest.mark.parametrize("fused", [False, True])
+def test_segments_as_packed_sequences_equal_unsegmented_in_exact_mode(fused):
     lengths = [300, 1, 200, 64, 129]
     cu = random_cu_seqlens(lengths)
     args = make_inputs(1, sum(lengths), 2, 4, 16, 32, num_seqs=len(lengths), with_h0=True, zero_heads=(0,),
                        strong_heads=(3,), seed=21, requires_grad=False)
     o_ref, ht_ref = flashqla.chunk_gated_delta_rule(**args, scale=0.25, cu_seqlens=cu, output_final_state=True)
-    o, ht = composed(args, cu, 1, None)
+    o, ht = composed(args, cu, 1, None, fused=fused)
     assert rel_err(o, o_ref) <= 1e-5 and rel_err(ht, ht_ref) <= 1e-5
+
+
+def test_summary_walks_run_only_where_the_chain_reads_them():
+    """One sequence of 3 segments and one of 1, no initial state: S* for rows with a successor, M only for
+    the middle segment (the first starts from zero) and only on the g = 0 head (the decaying head warms up)."""
+    args = make_inputs(1, 64 * 10, 1, 2, 16, 16, dtype=torch.float64, num_seqs=2, zero_heads=(0,), seed=23,
+                       requires_grad=False)
+    args["g"][..., 1] = -0.05  # -12.8 over a 4-chunk segment
+    cu = torch.tensor([0, 64 * 9, 64 * 10])
+    kernels = TorchKernels()
+    o_ref, _ = flashqla.chunk_gated_delta_rule(**args, scale=0.25, cu_seqlens=cu, output_final_state=True)
+    o, _ = composed(args, cu, 4, -10.0, kernels=kernels)  # rows: 4 + 4 + 1 chunks, then 1
+    assert kernels.active[0].tolist() == [[True, True], [True, True], [False, False], [False, False]]
+    assert kernels.active[1].tolist() == [[False, False], [True, False], [False, False], [False, False]]
+    assert rel_err(o[..., 0, :], o_ref[..., 0, :]) <= 1e-12 and rel_err(o, o_ref) <= 1e-4
+
+
+def test_segment_log_decay_sums_the_gates_of_every_segment():
+    from flashqla.cp.segments import _plan_tensors, _segment_log_decay
+
+    lengths = (300, 1, 200, 64, 129)
+    plan = plan_segments(tuple(random_cu_seqlens(lengths)[:-1].tolist()), lengths, 2)
+    g = -torch.rand(sum(lengths), 3, dtype=torch.float64)
+    x = TorchKernels.prepare(None, None, torch.zeros(1, sum(lengths), 3, 1), g[None], None,
+                             torch.tensor(plan.starts + (sum(lengths),)))
+    expected = torch.stack([g[s:s + n].sum(0) for s, n in zip(plan.starts, plan.lengths)])
+    got = _segment_log_decay(x.gcum, _plan_tensors(plan, sum(lengths), torch.device("cpu")))
+    assert torch.allclose(got, expected, rtol=1e-12, atol=1e-12)
 
 
 def test_segments_as_packed_sequences_warm_up_over_the_previous_segment():

@@ -54,31 +54,41 @@ def test_dispatch_picks_fused_for_many_walks(hopper):
     assert launch.use_fused(1, 24) and launch.use_fused(8, 8)
 
 
-def test_segmented_kernel_path_matches_unsegmented(hopper):
+@pytest.mark.parametrize("fused,with_h0", [(False, True), (True, True), (False, False)])
+def test_segmented_kernel_path_matches_unsegmented(hopper, fused, with_h0):
+    """Segments of a varlen pack: one summary launch (S*, M where read), the fold, the final walk split or
+    fused; without h0 no first segment's M is computed."""
     from flashqla.cp import segments
     from flashqla.ops import torch_backend
 
     args, cu = call([700, 65, 1, 300], seed=1)
+    if not with_h0:
+        args["initial_state"] = None
     plan = torch_backend.make_plan(1, args["q"].shape[1], cu.tolist(), 3)
     assert plan.is_segmented
     o, ht = segments.segmented_forward(hopper, *(args[n] for n in NAMES), 128 ** -0.5, args["initial_state"], True,
-                                       plan, None)
+                                       plan, None, fused=fused)
     o_ref, ht_ref = torch_forward(args, cu)
     assert rel_err(o, o_ref) <= TOL and rel_err(ht, ht_ref) <= TOL, (rel_err(o, o_ref), rel_err(ht, ht_ref))
 
 
-@pytest.mark.parametrize("segment_chunks,cp_warmup", [(0, None), (2, None), (2, -10.0), (3, -2.0)])
-def test_backward_dispatch_on_the_kernel_path_matches_the_torch_backend(hopper, segment_chunks, cp_warmup):
+@pytest.mark.parametrize("segment_chunks,cp_warmup,with_states", [(0, None, True), (2, None, True), (2, -10.0, True),
+                                                                   (3, -2.0, True), (2, None, False)])
+def test_backward_dispatch_on_the_kernel_path_matches_the_torch_backend(hopper, segment_chunks, cp_warmup,
+                                                                        with_states):
     """backends.backward("tilelang"): the kernel backward, with intra-card segments run as sequences (their
-    starts, D_j, the mirror scan of exit gradients); a pack with 1-token and odd-length sequences, h0, dht."""
+    starts, D_j, the mirror scan of exit gradients); a pack with 1-token and odd-length sequences, h0 and dht
+    (or neither: then the summary launch skips every first and last segment's M)."""
     from flashqla.ops import backends, torch_backend
 
     args, cu = call([200, 1, 129, 300], Hqk=2, Hv=4, seed=2)
+    if not with_states:
+        args["initial_state"] = None
     plan = torch_backend.make_plan(1, args["q"].shape[1], cu.tolist(), segment_chunks)
     assert plan.is_segmented == (segment_chunks > 0)
     gen = torch.Generator().manual_seed(5)
     do = torch.randn(args["v"].shape, generator=gen).bfloat16()
-    dht = torch.randn(args["initial_state"].shape, generator=gen) * 0.1
+    dht = torch.randn(4, 4, 128, 128, generator=gen) * 0.1 if with_states else None
     inputs = [args[n] for n in NAMES]
     call_ = backends.Call(*inputs, args["initial_state"], cu)
     got = backends.backward("tilelang", call_, 0.25, plan, cp_warmup, do, dht)
@@ -87,6 +97,9 @@ def test_backward_dispatch_on_the_kernel_path_matches_the_torch_backend(hopper, 
         1, args["q"].shape[1], cu.tolist(), 0), do, dht, None)
     limits = {"q": 1e-2, "k": 1e-2, "v": 1e-2, "g": 2e-2, "beta": 2e-2, "initial_state": 1e-2}
     for name, a, b in zip(limits, got, want):
+        if name == "initial_state" and not with_states:
+            assert a is None and b is None
+            continue
         assert a.shape == b.shape and a.dtype == b.dtype, name
         assert rel_err(a, b) <= limits[name], (name, rel_err(a, b))
 
@@ -172,8 +185,8 @@ def test_inter_card_cp_on_the_kernel_path_equals_one_process(intra_cp):
 
 
 def test_public_op_on_the_kernel_path_segments_by_the_calibrated_rule(hopper, monkeypatch):
-    """backend="tilelang", intra_cp="auto": one sequence of 256 chunks with one v-head is cut into 64-chunk
-    segments (the H200 calibration), the backward reuses that plan, and the result is the torch backend's."""
+    """backend="tilelang", intra_cp="auto": one sequence of 256 chunks with one v-head is cut into 32-chunk
+    segments (the H200 calibration), and the result is the torch backend's."""
     import flashqla
     from flashqla.ops import backends
 
@@ -181,14 +194,45 @@ def test_public_op_on_the_kernel_path_segments_by_the_calibrated_rule(hopper, mo
     seen = {}
     real_forward = backends.forward
 
-    def spy(name, call_, scale, output_final_state, plan, cp_warmup):
+    def spy(name, call_, scale, output_final_state, plan, cp_warmup, **kwargs):
         seen["name"], seen["plan"] = name, plan
-        return real_forward(name, call_, scale, output_final_state, plan, cp_warmup)
+        return real_forward(name, call_, scale, output_final_state, plan, cp_warmup, **kwargs)
 
     monkeypatch.setattr(backends, "forward", spy)
     args, cu = call([64 * 256], Hqk=1, Hv=1, with_h0=False, seed=5)
     o, ht = flashqla.chunk_gated_delta_rule(*(args[n] for n in NAMES), cu_seqlens=cu, output_final_state=True,
                                             backend="tilelang")
-    assert seen["name"] == "tilelang" and seen["plan"].segment_chunks == 64 and len(seen["plan"].lengths) == 4
+    assert seen["name"] == "tilelang" and seen["plan"].segment_chunks == 32 and len(seen["plan"].lengths) == 8
     o_ref, ht_ref = torch_forward(args, cu)
     assert rel_err(o, o_ref) <= TOL and rel_err(ht, ht_ref) <= TOL, (rel_err(o, o_ref), rel_err(ht, ht_ref))
+
+
+def test_public_op_backward_reuses_the_forward_segment_starts(hopper, monkeypatch):
+    """Autograd through the public op on the kernel path with intra-card segments: the forward keeps every
+    segment's entering state and M, so the backward runs no summary launch of its own, and its gradients
+    (incl. through the final state) are the torch backend's."""
+    import flashqla
+    from flashqla.ops import backends
+
+    monkeypatch.setattr(backends, "tilelang_unsupported_reason", lambda call: None)  # "tilelang" on the CPU
+    launches = []
+    real_summaries = hopper.summaries
+    monkeypatch.setattr(hopper, "summaries", lambda *a, **kw: launches.append(1) or real_summaries(*a, **kw))
+    lengths = [200, 1, 129, 300]
+    args, cu = call(lengths, Hqk=2, Hv=4, seed=6)
+    gen = torch.Generator().manual_seed(7)
+    do = torch.randn(args["v"].shape, generator=gen).bfloat16()
+    dht = torch.randn(args["initial_state"].shape, generator=gen) * 0.1
+    grads = {}
+    for backend, intra_cp in (("tilelang", 2), ("torch", "off")):
+        leaves = {n: args[n].clone().requires_grad_(True) for n in NAMES + ("initial_state",)}
+        o, ht = flashqla.chunk_gated_delta_rule(**leaves, cu_seqlens=cu, output_final_state=True, backend=backend,
+                                                intra_cp=intra_cp)
+        if backend == "tilelang":
+            assert len(launches) == 1
+        torch.autograd.backward((o, ht), (do, dht))
+        grads[backend] = [leaves[n].grad for n in NAMES + ("initial_state",)]
+    assert len(launches) == 1  # the forward's; none in the backward
+    limits = (1e-2, 1e-2, 1e-2, 2e-2, 2e-2, 1e-2)
+    for name, a, b, limit in zip(NAMES + ("initial_state",), grads["tilelang"], grads["torch"], limits):
+        assert rel_err(a, b) <= limit, (name, rel_err(a, b))

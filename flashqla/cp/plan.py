@@ -71,25 +71,29 @@ def auto_segment_chunks(lengths: tuple[int, ...], heads: int, sm_count: int) -> 
     return L if longest > L else 0
 
 
-# Our own H200 calibration of the TileLang path (docs/benchmarks.md, sweep of 2026-11-30, L in 16/32/64):
-# one sequence, Hv 8: 32K 1.95 -> 1.54 ms and 16K 0.97 -> 0.83 ms at L = 64 (L = 16 is slower than no CP);
-# Hv 16: 32K 2.70 -> 2.43 ms; Hv 24: 32K 3.42 -> 3.82 ms (CP loses). The summaries cost two extra walks
-# and a fold, so CP pays only when sequences x v-heads leave most SMs idle and the walk is long.
-TILELANG_SEGMENT_CHUNKS = 64
-TILELANG_MAX_LOAD = 16  # effective batch x v-heads
-TILELANG_MIN_CHUNKS = 256  # longest sequence (16K tokens); shorter ones were not measured to gain
+# Our own H200 calibration of the TileLang path (docs/benchmarks.md, sweep of 2026-11-30, fifth session,
+# after S* and M became one summary launch and the final walk fused): CUDA-graph ms, forward / fwd+bwd,
+# off vs the best L: Hv 8 32K 1.58 / 5.86 -> 0.79 / 2.94 (L 32), 16K 0.80 / 2.99 -> 0.48 / 1.79 (32),
+# 8K 0.42 / 1.54 -> 0.33 / 1.18 (32); Hv 16 32K 1.95 / 7.33 -> 1.34 / 5.12 (64; 32 within 2.5%), 8K
+# 0.51 / 1.94 -> 0.45 / 1.70 (32); Hv 24 32K 2.66 / 9.30 -> 1.90 / 7.65 (32); Hv 32 32K 2.88 / 11.70 ->
+# 2.22 / 10.25 (128). Loads above 32 (e.g. 4 x 8K x 64 heads) were not measured to gain.
+TILELANG_MAX_LOAD = 32  # effective batch x v-heads
+TILELANG_MIN_CHUNKS = 128  # longest sequence (8K tokens); shorter ones were not measured
+TILELANG_SHORT_SEGMENTS_MAX_LOAD = 24  # L = 32 chunks up to this load, 128 above
 
 
 def calibrated_segment_chunks(lengths: tuple[int, ...], heads: int) -> int:
-    """"auto" on the TileLang kernels: L = 64 chunks when effective batch x heads <= 16 and the longest
-    sequence has >= 256 chunks, else 0 (off)."""
+    """"auto" on the TileLang kernels: L = 32 chunks when effective batch x heads <= 24, 128 up to 32,
+    for a longest sequence of >= 128 chunks and longer than one segment; else 0 (off)."""
     chunks = [math.ceil(n / CHUNK) for n in lengths if n > 0]
     if not chunks:
         return 0
     total, longest = sum(chunks), max(chunks)
-    if total / longest * heads > TILELANG_MAX_LOAD or longest < TILELANG_MIN_CHUNKS:
+    load = total / longest * heads
+    if load > TILELANG_MAX_LOAD or longest < TILELANG_MIN_CHUNKS:
         return 0
-    return TILELANG_SEGMENT_CHUNKS
+    L = 32 if load <= TILELANG_SHORT_SEGMENTS_MAX_LOAD else 128
+    return L if longest > L else 0
 
 
 def resolve_segment_chunks(intra_cp, lengths: tuple[int, ...], heads: int, device, backend: str = "torch") -> int:

@@ -2,12 +2,15 @@
 
 A segment is a shorter sequence with its own initial state. After one `wy_inverse` over all chunks:
 
-1. the state-only summary walk (chunk_states with store_chunks = 0), every segment from zero: S*_j;
-   the same walk with U = 0 from S0 = I: the transition product M_j (S_end = M_j S_0 + S*_j);
+1. one state-only summary launch (chunk_states with store_chunks = 0): S*_j, every segment from zero,
+   and in the same launch the transition product M_j (the walk of U = 0 from I; S_end = M_j S_0 + S*_j),
+   each only where the chain reads it (no S* for a sequence's last segment; M only for a (segment,
+   head) on the exact path, next to a nonzero state);
 2. the chain S_{j,0} = S*_{j-1} + [exact] M_{j-1} S_{j-1,0} in fp32 (intra.chain_segments), where a
    head takes the M term only when the previous segment's summed log-decay stays above `cp_warmup`
    (the neglected term is then below e^cp_warmup of the state it multiplies);
-3. the state walk from every S_{j,0}, storing the per-chunk states, then `chunk_output` for all chunks.
+3. the walk from every S_{j,0}: `fused_fwd` (outputs in the walk) when segments x heads fill the GPU
+   (`launch.use_fused`), else the state walk storing the per-chunk states, then `chunk_output`.
 
 Steps 1 and 3 run segments x heads x V tiles CTAs instead of sequences x heads x V tiles: that is the
 parallelism CP buys for few long sequences. The backward (`segmented_backward`) mirrors it: the same
@@ -25,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from .intra import chain_segments, fold_step, rows_at_positions, shifted
+from ..ops.layout import CHUNK
 from .plan import SegmentPlan
 
 
@@ -34,39 +38,62 @@ class _PlanTensors:
     step can be captured in a CUDA graph after a warm-up call)."""
 
     cu: torch.Tensor  # segment offsets, int32 [rows + 1]
-    starts: torch.Tensor
-    ends: torch.Tensor
     has_prev: torch.Tensor  # [rows] bool
+    has_next: torch.Tensor  # [rows] bool
     first: torch.Tensor
     last: torch.Tensor
     steps: tuple  # rows at position 1, 2, ... within their sequence (intra.rows_at_positions)
-    segment_of_token: torch.Tensor  # [num_tokens] row of every token (the rows cover the stream)
+    chunk_last_token: torch.Tensor  # [chunks] last token of every chunk of the stream
+    chunk_row: torch.Tensor  # [chunks] its row
+    num_tokens: int
 
 
 @functools.lru_cache(maxsize=64)
 def _plan_tensors(plan: SegmentPlan, num_tokens: int, device: torch.device) -> _PlanTensors:
     as_tensor = lambda xs, dtype=torch.long: torch.tensor(xs, dtype=dtype, device=device)  # noqa: E731
-    starts = as_tensor(plan.starts)
-    steps = rows_at_positions(plan, device)
-    return _PlanTensors(as_tensor(plan.starts + (plan.starts[-1] + plan.lengths[-1],), torch.int32), starts,
-                        starts + as_tensor(plan.lengths), as_tensor(plan.position) > 0, as_tensor(plan.first_rows),
-                        as_tensor(plan.last_rows), steps,
-                        torch.repeat_interleave(torch.arange(len(plan.lengths), device=device), as_tensor(plan.lengths)))
+    chunk_last, chunk_row = [], []
+    for row, (start, length) in enumerate(zip(plan.starts, plan.lengths)):
+        for chunk_start in range(0, length, CHUNK):
+            chunk_last.append(start + min(chunk_start + CHUNK, length) - 1)
+            chunk_row.append(row)
+    position = as_tensor(plan.position)
+    has_next = torch.zeros_like(position, dtype=torch.bool)
+    has_next[:-1] = position[1:] > 0
+    cu = as_tensor(plan.starts + (plan.starts[-1] + plan.lengths[-1],), torch.int32)
+    return _PlanTensors(cu, position > 0, has_next, as_tensor(plan.first_rows), as_tensor(plan.last_rows),
+                        rows_at_positions(plan, device), as_tensor(chunk_last), as_tensor(chunk_row), num_tokens)
 
 
-def _segment_log_decay(g: torch.Tensor, idx: _PlanTensors) -> torch.Tensor:
-    """Sum of g over every segment [rows, Hv] (fp32): one index_add over the stream (a prefix sum over
-    the token dim would be an outer-dim scan, 8 ms at 32K tokens on an H200, and lose fp32 digits)."""
-    flat = g.reshape(-1, g.shape[-1]).float()
-    return flat.new_zeros(idx.cu.numel() - 1, flat.shape[1]).index_add_(0, idx.segment_of_token, flat)
+def _segment_log_decay(gcum: torch.Tensor, idx: _PlanTensors) -> torch.Tensor:
+    """Sum of g over every segment [rows, Hv] (fp32): the chunk-local cumulative gates `gcum` [Hv, T]
+    at every chunk's last token, summed per row (a few hundred values instead of the whole stream)."""
+    per_chunk = gcum[:, idx.chunk_last_token].t()
+    return per_chunk.new_zeros(idx.cu.numel() - 1, gcum.shape[0]).index_add_(0, idx.chunk_row, per_chunk)
 
 
-def _segment_starts(hopper, x, g, initial_state, idx: _PlanTensors, cp_warmup):
+def _summaries_needed(idx: _PlanTensors, exact, has_h0: bool, dht_given: bool | None):
+    """active [2, rows, Hv] for hopper.summaries: S*_j where segment j + 1 starts from it; M_j where the
+    forward chain multiplies it by a state that can be nonzero (exact_{j+1}, and j not a sequence's first
+    segment unless there is an initial state), and, for the backward (dht_given not None), where the
+    mirror scan multiplies M_j^T by a gradient (intra.exit_gradients: f_j = exact_{j+1}, or 1 into a
+    given final-state gradient)."""
+    exact_next = torch.zeros_like(exact)
+    exact_next[:-1] = exact[1:]
+    M_forward = exact_next & (idx.has_prev[:, None] | has_h0)
+    active = [idx.has_next[:, None].expand_as(exact), M_forward]
+    if dht_given is not None:
+        into_next = torch.where(idx.has_next[:, None], exact_next, dht_given)
+        active[1] = M_forward | (idx.has_prev[:, None] & into_next)
+    return torch.stack(active)
+
+
+def _segment_starts(hopper, x, initial_state, idx: _PlanTensors, cp_warmup, dht_given=None):
     """(S_{j,0} of every segment, M_j, exact mask [rows, Hv]): steps 1-2 above, fp32."""
-    S_star, M = hopper.summaries(x, with_transition=True)
-    exact = idx.has_prev[:, None].expand(-1, g.shape[-1]).clone()
+    exact = idx.has_prev[:, None].expand(-1, x.num_v_heads).clone()
     if cp_warmup is not None:
-        exact[1:] &= _segment_log_decay(g, idx)[:-1] >= cp_warmup  # row j reads the decay of row j-1
+        exact[1:] &= _segment_log_decay(x.gcum, idx)[:-1] >= cp_warmup  # row j reads the decay of row j-1
+    active = _summaries_needed(idx, exact, initial_state is not None, dht_given)
+    S_star, M = hopper.summaries(x, with_transition=True, active=active)
     S0 = torch.zeros_like(S_star)
     if initial_state is not None:
         S0[idx.first] = initial_state.to(S0.dtype)
@@ -74,21 +101,32 @@ def _segment_starts(hopper, x, g, initial_state, idx: _PlanTensors, cp_warmup):
 
 
 def _packed(idx, *tensors):
-    return [t.reshape((1, idx.segment_of_token.numel()) + t.shape[2:]) for t in tensors]
+    return [t.reshape((1, idx.num_tokens) + t.shape[2:]) for t in tensors]
 
 
 def segmented_forward(hopper, q, k, v, g, beta, scale, initial_state, output_final_state, plan: SegmentPlan,
-                      cp_warmup):
+                      cp_warmup, fused=None, with_starts=False):
     """Intra-card CP on the TileLang kernels (`hopper` = flashqla.kernels.hopper); returns what the
-    unsegmented forward would return, (o, final_state)."""
+    unsegmented forward would return, (o, final_state), and with_starts the segments' (S_{j,0}, M, exact)
+    for `segmented_backward` (fp32 [rows, Hv, 128, 128] twice: small next to the activations, and the
+    backward then skips the summary launch and the chain). fused: the final walk's kernel (None: by the
+    dispatch rule)."""
     idx = _plan_tensors(plan, q.shape[0] * q.shape[1], q.device)
     # segments start on chunk boundaries of their sequence, so they chunk exactly like the sequences
-    x = hopper.prepare(*_packed(idx, q, k, v, g, beta), idx.cu)
-    S0, _, _ = _segment_starts(hopper, x, g, initial_state, idx, cp_warmup)
-    h, vnew, S_final = hopper.walk(x, S0, store_final=output_final_state)
-    o = hopper.output(x, h, vnew, scale)
+    packed = _packed(idx, q, k, v, g, beta)
+    x = hopper.prepare(*packed, idx.cu)
+    # kept for the backward: with the M its mirror scan reads (a final-state gradient exists only when
+    # the final state is returned)
+    starts = _segment_starts(hopper, x, initial_state, idx, cp_warmup,
+                             dht_given=output_final_state if with_starts else None)
+    S0 = starts[0]
+    if hopper.use_fused(x.num_seqs, x.num_v_heads) if fused is None else fused:
+        o, S_final = hopper.fused_forward(x, packed[2], S0, scale, output_final_state)
+    else:
+        h, vnew, S_final = hopper.walk(x, S0, store_final=output_final_state)
+        o = hopper.output(x, h, vnew, scale)
     final_state = S_final[idx.last] if output_final_state else None
-    return o.view(v.shape), final_state
+    return (o.view(v.shape), final_state, starts) if with_starts else (o.view(v.shape), final_state)
 
 
 def exit_gradients(D, M, exact, idx: _PlanTensors, dht):
@@ -112,11 +150,12 @@ def exit_gradients(D, M, exact, idx: _PlanTensors, dht):
     return X
 
 
-def segmented_backward(hopper, q, k, v, g, beta, scale, initial_state, plan: SegmentPlan, cp_warmup, do, dht):
+def segmented_backward(hopper, q, k, v, g, beta, scale, initial_state, plan: SegmentPlan, cp_warmup, do, dht,
+                       starts=None):
     """The gradients of `segmented_forward` (its o and final state): (dq, dk, dv, dg, dbeta, dh0).
 
-    The segments' starts are recomputed as in the forward; one reverse walk from zero gives every
-    segment's D_j, the fp32 mirror scan (`exit_gradients`) the gradient leaving each segment, and the
+    The segments' starts are the forward's (`starts`) or recomputed as in the forward; one reverse walk
+    from zero gives every segment's D_j, the fp32 mirror scan (`exit_gradients`) the gradient leaving each segment, and the
     kernel backward then runs every segment at once from its start and its exit gradient. Where the
     forward dropped M_j S_{j,0} (warmup), the scan drops M_j^T likewise; the segment's own inputs still
     see the whole exit gradient, i.e. the gradient of the term the forward dropped, which is below
@@ -125,7 +164,9 @@ def segmented_backward(hopper, q, k, v, g, beta, scale, initial_state, plan: Seg
     idx = _plan_tensors(plan, q.shape[0] * q.shape[1], q.device)
     packed = _packed(idx, q, k, v, g, beta)
     x = hopper.prepare(*packed, idx.cu, store_a=True)
-    S0, M, exact = _segment_starts(hopper, x, g, initial_state, idx, cp_warmup)
+    if starts is None:  # not kept by the forward: recomputed, as the forward computed them
+        starts = _segment_starts(hopper, x, initial_state, idx, cp_warmup, dht_given=dht is not None)
+    S0, M, exact = starts
     dos = hopper.scaled_output_gradient(x, do, scale)
     _, D = hopper.state_gradients(x, dos, None)
     X = exit_gradients(D, M, exact, idx, dht)

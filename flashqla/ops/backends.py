@@ -93,15 +93,22 @@ def choose(backend: str, call: Call) -> str:
     return "torch"
 
 
-def forward(name: str, call: Call, scale: float, output_final_state: bool, plan, cp_warmup):
+def forward(name: str, call: Call, scale: float, output_final_state: bool, plan, cp_warmup, for_backward=False):
+    """(o, final state); for_backward: (o, final state, what `backward` can reuse, or None)."""
     c = call
+    kept = None
     if name == "tilelang":
         hopper, _ = _hopper_kernels()
         if plan.is_segmented:  # segments run as packed sequences (flashqla/cp/segments.py)
-            return segments.segmented_forward(hopper, c.q, c.k, c.v, c.g, c.beta, scale, c.initial_state,
-                                              output_final_state, plan, cp_warmup)
-        return hopper.chunk_gdn_fwd(c.q, c.k, c.v, c.g, c.beta, scale, c.initial_state, output_final_state, c.cu_seqlens)
-    return torch_backend.forward(c.q, c.k, c.v, c.g, c.beta, scale, c.initial_state, output_final_state, plan, cp_warmup)
+            *out, kept = segments.segmented_forward(hopper, c.q, c.k, c.v, c.g, c.beta, scale, c.initial_state,
+                                                    output_final_state, plan, cp_warmup, with_starts=True)
+        else:
+            out = hopper.chunk_gdn_fwd(c.q, c.k, c.v, c.g, c.beta, scale, c.initial_state, output_final_state,
+                                       c.cu_seqlens)
+    else:
+        out = torch_backend.forward(c.q, c.k, c.v, c.g, c.beta, scale, c.initial_state, output_final_state, plan,
+                                    cp_warmup)
+    return (*out, kept) if for_backward else tuple(out)
 
 
 def summary(name: str, q, k, v, g, beta, with_transition: bool, segments: tuple[int, ...] | None = None):
@@ -133,7 +140,7 @@ def device_offsets(segments: tuple[int, ...] | None, device: torch.device) -> to
     return None if segments is None else torch.tensor(segments, dtype=torch.int32, device=device)
 
 
-def backward(name: str, call: Call, scale: float, plan, cp_warmup, do, dht):
+def backward(name: str, call: Call, scale: float, plan, cp_warmup, do, dht, kept=None):
     # "tilelang": the kernel backward on the token layout (states recomputed from the inputs), with
     # intra-card CP segments run as sequences; "torch": the reference chunked backward on the chunk grid.
     c = call
@@ -141,6 +148,6 @@ def backward(name: str, call: Call, scale: float, plan, cp_warmup, do, dht):
         hopper, _ = _hopper_kernels()
         if plan.is_segmented:
             return segments.segmented_backward(hopper, c.q, c.k, c.v, c.g, c.beta, scale, c.initial_state, plan,
-                                               cp_warmup, do, dht)
+                                               cp_warmup, do, dht, starts=kept)
         return hopper.chunk_gdn_bwd(c.q, c.k, c.v, c.g, c.beta, scale, c.initial_state, c.cu_seqlens, do, dht)
     return torch_backend.backward(c.q, c.k, c.v, c.g, c.beta, scale, c.initial_state, plan, do, dht, cp_warmup)

@@ -10,12 +10,14 @@ from .torch_backend import make_plan
 
 
 class ChunkGatedDeltaRuleFunction(torch.autograd.Function):
-    """Saves only the inputs; backward recomputes the per-chunk states (no o, no S kept)."""
+    """Saves the inputs (and, for intra-card segments on the kernels, every segment's entering state and
+    transition product); backward recomputes the per-chunk states (no o, no per-chunk S kept)."""
 
     @staticmethod
     def forward(ctx, q, k, v, g, beta, initial_state, scale, output_final_state, cu_seqlens, plan, cp_warmup, backend):
         call = backends.Call(q, k, v, g, beta, initial_state, cu_seqlens)
-        o, final_state = backends.forward(backend, call, scale, output_final_state, plan, cp_warmup)
+        o, final_state, ctx.kept = backends.forward(backend, call, scale, output_final_state, plan, cp_warmup,
+                                                    for_backward=True)  # ctx.kept: this call's fp32 intermediates
         ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens)
         # the backward reuses this call's segmentation plan, so both directions cut the same way
         ctx.scale, ctx.plan, ctx.cp_warmup, ctx.backend = scale, plan, cp_warmup, backend
@@ -26,7 +28,8 @@ class ChunkGatedDeltaRuleFunction(torch.autograd.Function):
         q, k, v, g, beta, initial_state, cu_seqlens = ctx.saved_tensors
         call = backends.Call(q, k, v, g, beta, initial_state, cu_seqlens)
         dq, dk, dv, dg, dbeta, dh0 = backends.backward(ctx.backend, call, ctx.scale, ctx.plan, ctx.cp_warmup,
-                                                       do.contiguous(), dht)
+                                                       do.contiguous(), dht, ctx.kept)
+        ctx.kept = None
         return dq, dk, dv, dg, dbeta, dh0, None, None, None, None, None, None
 
 

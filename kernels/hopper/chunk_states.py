@@ -12,8 +12,11 @@ index `chunk_offsets[n] + c`) and V' (token layout). `chunk_output` then compute
 parallel.
 
 Runtime flags make the same kernel the state-only summary of intra-card CP (design doc §3, §5):
-`store_chunks = 0` writes only the final state (S* of a segment from S0 = 0), and `use_u = 0` drops U,
-so the walk from S0 = I ends at the segment's transition product M (S_end = M S0 + S*).
+`store_chunks = 0` writes only the final state (S* of a segment from S0 = 0), and `with_transition = 1`
+doubles the grid's V tiles: the second half walks U = 0 from S0 = I and ends at the segment's transition
+product M (S_end = M S0 + S*), stored in `mt`. The columns of S evolve independently (V' = U - W S and
+the update act column by column), so S* and M are one walk of [U | 0] from [S0 | I], run as separate
+CTAs. `active[kind, n, h]` (with `use_active`) skips the walks nobody reads: a skipped walk stores zeros.
 
 Rows past the end of a sequence: K rows are zeroed after they land (they cannot touch S), gate rows
 repeat the last valid one (gamma_last is the gate at the last token, no exp2 argument is positive), and
@@ -44,6 +47,8 @@ def build_chunk_states(dtype: str, block_v: int):
     num_chunk_slots = T.dynamic("num_chunk_slots")
     num_h0 = T.dynamic("num_h0")
     num_ht = T.dynamic("num_ht")
+    num_mt = T.dynamic("num_mt")
+    num_active = T.dynamic("num_active")
     C, D, BV = CHUNK, HEAD_DIM, block_v
 
     @T.macro
@@ -57,6 +62,7 @@ def build_chunk_states(dtype: str, block_v: int):
     @T.macro
     def chunk_step(h_out, vnew, t0, n_rows, chunk_index, h, v0, store_chunks, use_u, K_s, W_s, U_s, graw_s, gc_sh, S_sh,
                    Vs_sh, S, Vn):
+        """One chunk of the walk; use_u = 0 walks U = 0 (the transition product's columns)."""
         if n_rows < C:
             for r, d in T.Parallel(C, D):
                 if r >= n_rows:
@@ -99,21 +105,33 @@ def build_chunk_states(dtype: str, block_v: int):
         h_out: T.Tensor((num_chunk_slots, num_v_heads, D, D), dtype),
         vnew: T.Tensor((num_tokens, num_v_heads, D), dtype),
         ht: T.Tensor((num_ht, D, D), "float32"),
+        mt: T.Tensor((num_mt, D, D), "float32"),
+        active: T.Tensor((num_active,), "int32"),
         use_h0: T.int32,
         store_ht: T.int32,
         store_chunks: T.int32,
-        use_u: T.int32,
+        with_transition: T.int32,
+        use_active: T.int32,
     ):
-        with T.Kernel(D // BV, num_seqs, num_v_heads, threads=threads_for(BV)) as (bv, n, h):
+        with T.Kernel(D // BV * (1 + with_transition), num_seqs, num_v_heads, threads=threads_for(BV)) as (bv, n, h):
             hk = T.alloc_var("int32")
             bos = T.alloc_var("int32")
             eos = T.alloc_var("int32")
             hk = h // (num_v_heads // num_qk_heads)
             bos = cu_seqlens[n]
             eos = cu_seqlens[n + 1]
-            v0 = bv * BV
+            # tiles [0, D / BV) walk U from S0 (-> S*, or the states); tiles [D / BV, 2 D / BV) walk 0 from I (-> M)
+            walks_u = T.if_then_else(bv < D // BV, 1, 0)
+            v0 = (bv % (D // BV)) * BV
             state_row = n * num_v_heads + h
+            num_chunks = T.alloc_var("int32")
+            skipped = T.alloc_var("int32")
             num_chunks = T.ceildiv(eos - bos, C)
+            skipped = 0
+            if use_active != 0:
+                if active[((bv // (D // BV)) * num_seqs + n) * num_v_heads + h] == 0:
+                    skipped = 1
+                    num_chunks = 0
 
             K0, K1 = T.alloc_shared((C, D), dtype), T.alloc_shared((C, D), dtype)
             W0, W1 = T.alloc_shared((C, D), dtype), T.alloc_shared((C, D), dtype)
@@ -125,12 +143,18 @@ def build_chunk_states(dtype: str, block_v: int):
             S = T.alloc_fragment((D, BV), "float32")
             Vn = T.alloc_fragment((C, BV), "float32")
 
-            if use_h0 != 0:
+            if walks_u == 0:
+                for i, j in T.Parallel(D, BV):
+                    S[i, j] = T.if_then_else(i == v0 + j, 1.0, 0.0)
+            elif use_h0 != 0:
                 T.copy(h0[state_row, 0:D, v0:v0 + BV], S)
             else:
                 T.clear(S)
+            if skipped != 0:  # a walk nobody reads stores zeros
+                T.clear(S)
             T.copy(S, S_sh)
-            load_chunk(k, w, u, gcum, bos, hk, h, v0, K0, W0, U0, graw0)
+            if num_chunks > 0:
+                load_chunk(k, w, u, gcum, bos, hk, h, v0, K0, W0, U0, graw0)
 
             for c in T.serial(num_chunks):
                 t0 = bos + c * C
@@ -143,7 +167,7 @@ def build_chunk_states(dtype: str, block_v: int):
                     else:
                         T.ptx_wait_group(0)
                     T.sync_threads()
-                    chunk_step(h_out, vnew, t0, n_rows, chunk_index, h, v0, store_chunks, use_u, K0, W0, U0, graw0, gc_sh, S_sh, Vs_sh,
+                    chunk_step(h_out, vnew, t0, n_rows, chunk_index, h, v0, store_chunks, walks_u, K0, W0, U0, graw0, gc_sh, S_sh, Vs_sh,
                                S, Vn)
                 else:
                     if c + 1 < num_chunks:
@@ -152,11 +176,14 @@ def build_chunk_states(dtype: str, block_v: int):
                     else:
                         T.ptx_wait_group(0)
                     T.sync_threads()
-                    chunk_step(h_out, vnew, t0, n_rows, chunk_index, h, v0, store_chunks, use_u, K1, W1, U1, graw1, gc_sh, S_sh, Vs_sh,
+                    chunk_step(h_out, vnew, t0, n_rows, chunk_index, h, v0, store_chunks, walks_u, K1, W1, U1, graw1, gc_sh, S_sh, Vs_sh,
                                S, Vn)
                 T.sync_threads()  # the stage just used is refilled by the next iteration's loads
 
             if store_ht != 0:
-                T.copy(S, ht[state_row, 0:D, v0:v0 + BV])
+                if walks_u != 0:
+                    T.copy(S, ht[state_row, 0:D, v0:v0 + BV])
+                else:
+                    T.copy(S, mt[state_row, 0:D, v0:v0 + BV])
 
     return chunk_states

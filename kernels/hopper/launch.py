@@ -179,30 +179,42 @@ def _state_buffers(x: ChunkedCall, h0, store_final: bool):
     return h0_arg, ht, placeholder if ht is None else ht.view(N * Hv, HEAD_DIM, HEAD_DIM)
 
 
-def walk(x: ChunkedCall, h0=None, *, store_chunks=True, store_final=True, use_u=True):
-    """chunk_states over every sequence of `x` from h0 (fp32 [N, Hv, 128, 128] or None = zeros).
-
-    Returns (h [chunk_slots, Hv, 128, 128] | None, V' [T, Hv, 128] | None, final fp32 [N, Hv, 128, 128] | None).
-    store_chunks=False is the state-only summary; use_u=False with h0 = I gives the transition products M.
-    """
+def _launch_walk(x: ChunkedCall, h0, store_chunks: bool, store_final: bool, with_transition: bool = False,
+                 active=None):
+    """chunk_states over every sequence of `x` from h0 (fp32 [N, Hv, 128, 128] or None = zeros): (h | None,
+    V' | None, final states | None, transition products | None); the flags are the kernel's."""
+    N, Hv, device = x.num_seqs, x.num_v_heads, x.q.device
     h0_arg, ht, ht_arg = _state_buffers(x, h0, store_final)
+    mt = torch.empty(N, Hv, HEAD_DIM, HEAD_DIM, dtype=torch.float32, device=device) if with_transition else None
     slots = x.chunk_slots if store_chunks else 1
-    h = torch.empty(slots, x.num_v_heads, HEAD_DIM, HEAD_DIM, dtype=x.w.dtype, device=x.q.device)
+    h = torch.empty(slots, Hv, HEAD_DIM, HEAD_DIM, dtype=x.w.dtype, device=device)
     vnew = torch.empty_like(x.w)  # allocator-cached; untouched when store_chunks is False
-    compiled_chunk_states(x.dtype, block_v_on(x.q.device, x.num_seqs, x.num_v_heads))(
+    active_arg = torch.ones(1, dtype=torch.int32, device=device) if active is None else active.to(torch.int32).reshape(-1)
+    compiled_chunk_states(x.dtype, block_v_on(device, N * (1 + with_transition), Hv))(
         x.k, x.w, x.u, x.gcum, x.cu, x.offsets, h0_arg, h, vnew, ht_arg,
-        int(h0 is not None), int(store_final), int(store_chunks), int(use_u))
-    return (h, vnew, ht) if store_chunks else (None, None, ht)
+        ht_arg if mt is None else mt.view(N * Hv, HEAD_DIM, HEAD_DIM), active_arg,
+        int(h0 is not None), int(store_final), int(store_chunks), int(with_transition), int(active is not None))
+    return (h if store_chunks else None, vnew if store_chunks else None, ht, mt)
 
 
-def summaries(x: ChunkedCall, with_transition: bool):
-    """(S*, M or None) of every sequence of `x`: S* from the zero state, and the transition product M as
-    the walk of U = 0 from S0 = I (S_end = M S_start + S*, design doc §3); fp32 [N, Hv, 128, 128]."""
-    _, _, S_star = walk(x, None, store_chunks=False)
-    if not with_transition:
-        return S_star, None
-    eye = torch.eye(HEAD_DIM, dtype=torch.float32, device=x.q.device).expand(x.num_seqs, x.num_v_heads, -1, -1)
-    return S_star, walk(x, eye, store_chunks=False, use_u=False)[2]
+def walk(x: ChunkedCall, h0=None, *, store_final=True):
+    """The state walk over every sequence of `x` from h0 (fp32 [N, Hv, 128, 128] or None = zeros).
+
+    Returns (h [chunk_slots, Hv, 128, 128], V' [T, Hv, 128], final fp32 [N, Hv, 128, 128] | None).
+    """
+    return _launch_walk(x, h0, store_chunks=True, store_final=store_final)[:3]
+
+
+def summaries(x: ChunkedCall, with_transition: bool, active=None):
+    """(S*, M or None) of every sequence of `x`, fp32 [N, Hv, 128, 128], from one state-only walk: S* from
+    the zero state and, with_transition, the transition product M (the walk of U = 0 from S0 = I; S_end =
+    M S_start + S*, design doc §3) in the same launch. active: bool [2, N, Hv] or None (all): which S* (0)
+    and M (1) to compute; the others come back as zeros."""
+    if active is not None and not with_transition:
+        active = torch.cat([active[:1], torch.zeros_like(active[:1])])
+    _, _, S_star, M = _launch_walk(x, None, store_chunks=False, store_final=True, with_transition=with_transition,
+                                   active=active)
+    return S_star, M
 
 
 def output(x: ChunkedCall, h, vnew, scale: float) -> torch.Tensor:
@@ -239,11 +251,18 @@ def chunk_gdn_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu
     if fused is None:
         fused = use_fused(x.num_seqs, x.num_v_heads)
     if fused:
-        h0_arg, ht, ht_arg = _state_buffers(x, initial_state, output_final_state)
-        o = torch.empty_like(x.w)
-        compiled_fused_fwd(x.dtype, block_v_on(q.device, x.num_seqs, x.num_v_heads))(
-            x.q, x.k, v.view(x.w.shape), x.Ab, x.gcum, x.cu, h0_arg, o, ht_arg, float(scale),
-            int(initial_state is not None), int(output_final_state))
+        o, ht = fused_forward(x, v, initial_state, scale, output_final_state)
         return o.view(v.shape), ht
     h, vnew, ht = walk(x, initial_state, store_final=output_final_state)
     return output(x, h, vnew, scale).view(v.shape), ht
+
+
+def fused_forward(x: ChunkedCall, v, h0, scale: float, store_final: bool):
+    """fused_fwd over every sequence of `x` from h0 (fp32 [N, Hv, 128, 128] or None): (O [T, Hv, 128],
+    final fp32 states or None)."""
+    h0_arg, ht, ht_arg = _state_buffers(x, h0, store_final)
+    o = torch.empty_like(x.w)
+    compiled_fused_fwd(x.dtype, block_v_on(x.q.device, x.num_seqs, x.num_v_heads))(
+        x.q, x.k, v.reshape(x.w.shape), x.Ab, x.gcum, x.cu, h0_arg, o, ht_arg, float(scale),
+        int(h0 is not None), int(store_final))
+    return o, ht

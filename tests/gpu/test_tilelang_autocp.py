@@ -47,13 +47,13 @@ def test_backward_reuses_the_forward_segmentation_plan(monkeypatch):
     seen = {}
     real_forward, real_backward = backends.forward, backends.backward
 
-    def spy_forward(name, call, scale, output_final_state, plan, cp_warmup):
+    def spy_forward(name, call, scale, output_final_state, plan, cp_warmup, **kwargs):
         seen["forward"] = plan
-        return real_forward(name, call, scale, output_final_state, plan, cp_warmup)
+        return real_forward(name, call, scale, output_final_state, plan, cp_warmup, **kwargs)
 
-    def spy_backward(name, call, scale, plan, cp_warmup, do, dht):
-        seen["backward"] = plan
-        return real_backward(name, call, scale, plan, cp_warmup, do, dht)
+    def spy_backward(name, call, scale, plan, cp_warmup, do, dht, kept=None):
+        seen["backward"], seen["kept"] = plan, kept
+        return real_backward(name, call, scale, plan, cp_warmup, do, dht, kept)
 
     monkeypatch.setattr(backends, "forward", spy_forward)
     monkeypatch.setattr(backends, "backward", spy_backward)
@@ -63,3 +63,4 @@ def test_backward_reuses_the_forward_segmentation_plan(monkeypatch):
     o, ht = op(call, intra_cp=8)
     (o.float().sum() + ht.sum()).backward()
     assert seen["forward"] is seen["backward"] and seen["forward"].is_segmented
+    assert seen["kept"] is not None  # the backward reuses the forward's segment starts
