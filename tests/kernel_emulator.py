@@ -171,6 +171,19 @@ def emulate_chunk_bwd_local(q, k, v, dos, A, gcum, beta, h, dh, cu, offsets, dq,
         dg[:, t0:t0 + rows] = reference.gate_gradient(ggc)[0, 0, :, :rows].to(dg.dtype)
 
 
+def emulate_segment_chain(out, bias, mats, mask, first_rows, last_rows, num_heads, reverse):
+    for first, last in zip(first_rows.tolist(), last_rows.tolist()):
+        rows = range(last - 1, first - 1, -1) if reverse else range(first + 1, last + 1)
+        for r in rows:
+            src = r + 1 if reverse else r - 1
+            for h in range(num_heads):
+                M = mats[src * num_heads + h].double()
+                prev = out[src * num_heads + h].double()
+                step = (M.t() if reverse else M) @ prev
+                out[r * num_heads + h] = (bias[src * num_heads + h].double()
+                                          + mask[r * num_heads + h].double() * step).to(out.dtype)
+
+
 def install(monkeypatch):
     """Replace every compiled kernel (and the SM count query) of flashqla.kernels.hopper by the emulators."""
     from flashqla.kernels.hopper import backward, launch
@@ -182,6 +195,7 @@ def install(monkeypatch):
         "compiled_fused_fwd": lambda dtype, block_v: emulate_fused_fwd,
         "compiled_chunk_dstates": lambda dtype, block_v: emulate_chunk_dstates,
         "compiled_chunk_bwd_local": lambda dtype: emulate_chunk_bwd_local,
+        "compiled_segment_chain": lambda: emulate_segment_chain,
     }
     for module in (launch, backward):
         for name, fake in kernels.items():

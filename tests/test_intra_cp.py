@@ -145,7 +145,7 @@ class TorchKernels:
         return torch_backend.forward(x.q, x.k, v, x.g, x.beta, scale, h0, output_final_state, plan)
 
     @staticmethod
-    def prepare(q, k, v, g, beta, cu):
+    def prepare(q, k, v, g, beta, cu, chunk_offsets=None):
         from types import SimpleNamespace
 
         bounds = cu.tolist()
@@ -175,6 +175,16 @@ class TorchKernels:
 
     def output(self, x, h, vnew, scale):
         return self._forward(x, x.v, scale, h, False)[0]
+
+    @staticmethod
+    def segment_chain(out, bias, mats, mask, first_rows, last_rows, reverse):
+        from kernel_emulator import emulate_segment_chain
+
+        rows, heads = mask.shape
+        flat = lambda t: t.view((rows * heads,) + t.shape[2:])  # noqa: E731
+        emulate_segment_chain(flat(out), flat(bias), flat(mats), mask.reshape(-1), first_rows, last_rows, heads,
+                              reverse)
+        return out
 
     fused = False
 

@@ -236,3 +236,14 @@ def test_public_op_backward_reuses_the_forward_segment_starts(hopper, monkeypatc
     limits = (1e-2, 1e-2, 1e-2, 2e-2, 2e-2, 1e-2)
     for name, a, b, limit in zip(NAMES + ("initial_state",), grads["tilelang"], grads["torch"], limits):
         assert rel_err(a, b) <= limit, (name, rel_err(a, b))
+
+
+def test_plan_chunk_offsets_are_the_kernels_own():
+    from flashqla.cp.segments import _plan_tensors
+    from flashqla.cp.plan import plan_segments
+    from flashqla.kernels.hopper.launch import chunk_offsets_of
+
+    lengths = (300, 1, 0, 200, 64, 129)
+    plan = plan_segments(tuple(random_cu_seqlens(lengths)[:-1].tolist()), lengths, 2)
+    idx = _plan_tensors(plan, sum(lengths), torch.device("cpu"))
+    assert torch.equal(idx.chunk_offsets, chunk_offsets_of(idx.cu))

@@ -6,7 +6,7 @@ A segment is a shorter sequence with its own initial state. After one `wy_invers
    and in the same launch the transition product M_j (the walk of U = 0 from I; S_end = M_j S_0 + S*_j),
    each only where the chain reads it (no S* for a sequence's last segment; M only for a (segment,
    head) on the exact path, next to a nonzero state);
-2. the chain S_{j,0} = S*_{j-1} + [exact] M_{j-1} S_{j-1,0} in fp32 (intra.chain_segments), where a
+2. the chain S_{j,0} = S*_{j-1} + [exact] M_{j-1} S_{j-1,0} in fp32 (one `segment_chain` launch), where a
    head takes the M term only when the previous segment's summed log-decay stays above `cp_warmup`
    (the neglected term is then below e^cp_warmup of the state it multiplies);
 3. the walk from every S_{j,0}: `fused_fwd` (outputs in the walk) when segments x heads fill the GPU
@@ -23,11 +23,11 @@ device mask.
 from __future__ import annotations
 
 import functools
+import itertools
 from dataclasses import dataclass
 
 import torch
 
-from .intra import chain_segments, fold_step, rows_at_positions, shifted
 from ..ops.layout import CHUNK
 from .plan import SegmentPlan
 
@@ -38,11 +38,11 @@ class _PlanTensors:
     step can be captured in a CUDA graph after a warm-up call)."""
 
     cu: torch.Tensor  # segment offsets, int32 [rows + 1]
+    chunk_offsets: torch.Tensor  # first chunk slot of every segment, int32 [rows + 1]
     has_prev: torch.Tensor  # [rows] bool
     has_next: torch.Tensor  # [rows] bool
-    first: torch.Tensor
-    last: torch.Tensor
-    steps: tuple  # rows at position 1, 2, ... within their sequence (intra.rows_at_positions)
+    first: torch.Tensor  # [sequences] first row of every sequence (int32)
+    last: torch.Tensor  # [sequences] its last row (int32)
     chunk_last_token: torch.Tensor  # [chunks] last token of every chunk of the stream
     chunk_row: torch.Tensor  # [chunks] its row
     num_tokens: int
@@ -60,8 +60,10 @@ def _plan_tensors(plan: SegmentPlan, num_tokens: int, device: torch.device) -> _
     has_next = torch.zeros_like(position, dtype=torch.bool)
     has_next[:-1] = position[1:] > 0
     cu = as_tensor(plan.starts + (plan.starts[-1] + plan.lengths[-1],), torch.int32)
-    return _PlanTensors(cu, position > 0, has_next, as_tensor(plan.first_rows), as_tensor(plan.last_rows),
-                        rows_at_positions(plan, device), as_tensor(chunk_last), as_tensor(chunk_row), num_tokens)
+    chunk_offsets = as_tensor(list(itertools.accumulate((-(-n // CHUNK) for n in plan.lengths), initial=0)),
+                              torch.int32)  # launch.chunk_offsets_of(cu), once per plan
+    return _PlanTensors(cu, chunk_offsets, position > 0, has_next, as_tensor(plan.first_rows, torch.int32),
+                        as_tensor(plan.last_rows, torch.int32), as_tensor(chunk_last), as_tensor(chunk_row), num_tokens)
 
 
 def _segment_log_decay(gcum: torch.Tensor, idx: _PlanTensors) -> torch.Tensor:
@@ -97,7 +99,8 @@ def _segment_starts(hopper, x, initial_state, idx: _PlanTensors, cp_warmup, dht_
     S0 = torch.zeros_like(S_star)
     if initial_state is not None:
         S0[idx.first] = initial_state.to(S0.dtype)
-    return chain_segments(S0, S_star, M, exact, idx.steps), M, exact
+    # S_{j,0} = S*_{j-1} + [exact_j] M_{j-1} S_{j-1,0}, the whole chain in one launch
+    return hopper.segment_chain(S0, S_star, M, exact.float(), idx.first, idx.last, reverse=False), M, exact
 
 
 def _packed(idx, *tensors):
@@ -114,7 +117,7 @@ def segmented_forward(hopper, q, k, v, g, beta, scale, initial_state, output_fin
     idx = _plan_tensors(plan, q.shape[0] * q.shape[1], q.device)
     # segments start on chunk boundaries of their sequence, so they chunk exactly like the sequences
     packed = _packed(idx, q, k, v, g, beta)
-    x = hopper.prepare(*packed, idx.cu)
+    x = hopper.prepare(*packed, idx.cu, chunk_offsets=idx.chunk_offsets)
     # kept for the backward: with the M its mirror scan reads (a final-state gradient exists only when
     # the final state is returned)
     starts = _segment_starts(hopper, x, initial_state, idx, cp_warmup,
@@ -129,7 +132,7 @@ def segmented_forward(hopper, q, k, v, g, beta, scale, initial_state, output_fin
     return (o.view(v.shape), final_state, starts) if with_starts else (o.view(v.shape), final_state)
 
 
-def exit_gradients(D, M, exact, idx: _PlanTensors, dht):
+def exit_gradients(hopper, D, M, exact, idx: _PlanTensors, dht):
     """X_j, the gradient of the state leaving every segment, fp32 [rows, Hv, K, V] (the mirror scan).
 
     A sequence's last segment leaves with dht (zero when None). Otherwise segment j+1 starts from
@@ -140,14 +143,11 @@ def exit_gradients(D, M, exact, idx: _PlanTensors, dht):
     X = torch.zeros_like(D)
     if dht is not None:
         X[idx.last] = dht.to(X.dtype)
-    into_next = torch.ones_like(exact, dtype=D.dtype)
-    into_next[:-1] = torch.where(idx.has_prev[1:, None], exact[1:].to(D.dtype), 1.0)
-    if not idx.steps:
-        return X
-    MT_kept = M.transpose(-1, -2) * into_next[:, :, None, None]
-    for rows in reversed(idx.steps):  # rows at position p, from the deepest position back
-        fold_step(X, shifted(rows, -1), D[rows], MT_kept[rows], X[rows])
-    return X
+    # into_next_j = exact_{j+1} into the next segment, 1 into the final state; row j - 1 reads f_j
+    into_next = torch.where(idx.has_next[:, None], torch.roll(exact, -1, 0), True)
+    mask = D.new_zeros(D.shape[:2])
+    mask[:-1] = into_next[1:]
+    return hopper.segment_chain(X, D, M, mask, idx.first, idx.last, reverse=True)
 
 
 def segmented_backward(hopper, q, k, v, g, beta, scale, initial_state, plan: SegmentPlan, cp_warmup, do, dht,
@@ -163,13 +163,13 @@ def segmented_backward(hopper, q, k, v, g, beta, scale, initial_state, plan: Seg
     """
     idx = _plan_tensors(plan, q.shape[0] * q.shape[1], q.device)
     packed = _packed(idx, q, k, v, g, beta)
-    x = hopper.prepare(*packed, idx.cu, store_a=True)
+    x = hopper.prepare(*packed, idx.cu, store_a=True, chunk_offsets=idx.chunk_offsets)
     if starts is None:  # not kept by the forward: recomputed, as the forward computed them
         starts = _segment_starts(hopper, x, initial_state, idx, cp_warmup, dht_given=dht is not None)
     S0, M, exact = starts
     dos = hopper.scaled_output_gradient(x, do, scale)
     _, D = hopper.state_gradients(x, dos, None)
-    X = exit_gradients(D, M, exact, idx, dht)
+    X = exit_gradients(hopper, D, M, exact, idx, dht)
     *grads, dS0 = hopper.backward_of(x, *packed, dos, S0, X)
     grads = [grad.view(t.shape) for grad, t in zip(grads, (q, k, v, g, beta))]
     return (*grads, None if initial_state is None else dS0[idx.first].to(initial_state.dtype))

@@ -76,6 +76,12 @@ def compiled_chunk_bwd_local(dtype: str):
     return compile_from("chunk_bwd_local", "build_chunk_bwd_local", f"chunk_bwd_local({dtype})", dtype)
 
 
+@functools.lru_cache(maxsize=None)
+def compiled_segment_chain():
+    """The compiled fp32 chain over intra-card CP segments (segment_chain.py)."""
+    return compile_from("segment_chain", "build_segment_chain", "segment_chain()")
+
+
 def kernel_configs(dtypes=KERNEL_DTYPES):
     """Every (kernel, args) pair dispatch can choose for TileLang dtypes `dtypes`: what a build machine compiles.
 
@@ -90,6 +96,7 @@ def kernel_configs(dtypes=KERNEL_DTYPES):
             yield compiled_fused_fwd, (dtype, block_v)
             yield compiled_chunk_states, (dtype, block_v)
             yield compiled_chunk_dstates, (dtype, block_v)
+    yield compiled_segment_chain, ()
 
 
 @functools.lru_cache(maxsize=None)
@@ -137,10 +144,11 @@ class ChunkedCall:
         return self.w.shape[1]
 
 
-def prepare(q, k, v, g, beta, cu_seqlens, store_a: bool = False) -> ChunkedCall:
+def prepare(q, k, v, g, beta, cu_seqlens, store_a: bool = False, chunk_offsets=None) -> ChunkedCall:
     """wy_inverse over every chunk of q, k [B, T, Hqk, 128], v [B, T, Hv, 128], g, beta [B, T, Hv].
 
-    store_a: `Ab` holds A without beta (what the backward's chunk-local gradients need)."""
+    store_a: `Ab` holds A without beta (what the backward's chunk-local gradients need). chunk_offsets:
+    `chunk_offsets_of(cu_seqlens)` when the caller keeps it (a fixed layout), else computed here."""
     B, T, Hqk, _ = q.shape
     Hv = v.shape[2]
     device = q.device
@@ -150,7 +158,7 @@ def prepare(q, k, v, g, beta, cu_seqlens, store_a: bool = False) -> ChunkedCall:
     else:
         cu = cu_seqlens.to(torch.int32)
     N = cu.numel() - 1
-    offsets = chunk_offsets_of(cu)
+    offsets = chunk_offsets_of(cu) if chunk_offsets is None else chunk_offsets
     # every sequence adds at most one partial chunk: an upper bound on the chunk count without a sync
     chunk_slots = (B * T + CHUNK - 1) // CHUNK + N
     q3, k3 = q.view(B * T, Hqk, HEAD_DIM), k.view(B * T, Hqk, HEAD_DIM)
@@ -215,6 +223,18 @@ def summaries(x: ChunkedCall, with_transition: bool, active=None):
     _, _, S_star, M = _launch_walk(x, None, store_chunks=False, store_final=True, with_transition=with_transition,
                                    active=active)
     return S_star, M
+
+
+def segment_chain(out, bias, mats, mask, first_rows, last_rows, reverse: bool):
+    """The chain over segments in one launch, in place on `out` (fp32 [rows, Hv, 128, 128]; first rows
+    (forward) or last rows (reverse) of every sequence set): forward out[r] = bias[r-1] + mask[r] mats[r-1]
+    out[r-1]; reverse out[r] = bias[r+1] + mask[r] mats[r+1]^T out[r+1]. bias, mats fp32 like out; mask
+    fp32 [rows, Hv]; first_rows, last_rows int32 [sequences]."""
+    rows, Hv = mask.shape
+    flat = lambda t: t.view(rows * Hv, HEAD_DIM, HEAD_DIM)  # noqa: E731
+    compiled_segment_chain()(flat(out), flat(bias), flat(mats), mask.reshape(-1), first_rows, last_rows, Hv,
+                             int(reverse))
+    return out
 
 
 def output(x: ChunkedCall, h, vnew, scale: float) -> torch.Tensor:

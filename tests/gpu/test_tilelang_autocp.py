@@ -64,3 +64,31 @@ def test_backward_reuses_the_forward_segmentation_plan(monkeypatch):
     (o.float().sum() + ht.sum()).backward()
     assert seen["forward"] is seen["backward"] and seen["forward"].is_segmented
     assert seen["kept"] is not None  # the backward reuses the forward's segment starts
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+def test_segment_chain_kernel_matches_the_float64_fold(reverse):
+    """The one-launch chain over segments (a pack: 5 rows, 1 row, 3 rows; some masks 0) against the same
+    fold in float64, row by row; fp32 products on CUDA cores keep it within fp32 rounding."""
+    from flashqla.kernels.hopper import segment_chain
+
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    rows, heads = 9, 3
+    first, last = [0, 5, 6], [4, 5, 8]
+    randn = lambda *s: torch.randn(*s, generator=gen, device="cuda")  # noqa: E731
+    out = torch.full((rows, heads, D, D), float("nan"), device="cuda")
+    starts = last if reverse else first
+    out[starts] = randn(len(starts), heads, D, D)
+    bias = randn(rows, heads, D, D)
+    mats = randn(rows, heads, D, D) / D ** 0.5 * 0.9  # keeps the chain bounded
+    mask = (torch.rand(rows, heads, generator=gen, device="cuda") > 0.3).float()
+    want = out.double().clone()
+    for f, l in zip(first, last):
+        for r in (range(l - 1, f - 1, -1) if reverse else range(f + 1, l + 1)):
+            src = r + 1 if reverse else r - 1
+            M = mats[src].double().transpose(-1, -2) if reverse else mats[src].double()
+            want[r] = bias[src].double() + mask[r].double()[:, None, None] * (M @ want[src])
+    as_int = lambda xs: torch.tensor(xs, dtype=torch.int32, device="cuda")  # noqa: E731
+    got = segment_chain(out, bias, mats, mask, as_int(first), as_int(last), reverse)
+    assert not got.isnan().any()
+    assert rel_err(got, want) <= 1e-5, rel_err(got, want)
