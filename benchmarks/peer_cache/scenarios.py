@@ -1,0 +1,120 @@
+"""The flash-qla 0.1.3 calls our benchmarks make (benchmarks/bench_gdn.py, bench_bwd.py, bench_cp.py).
+
+Shared by precompile.py (run on the CPU through fqla_cpu.fake_cuda) and check_gpu.py (run on the H200).
+Inputs as in the benchmarks: q, k, v, beta bf16, g float32 (log-space decay), K = V = 128, B = 1, scale default
+(= 128 ** -0.5, baked into the fwd/bwd kernels), no initial state, no final state.
+Tensors are torch.empty (contents are irrelevant to which kernels get built).
+"""
+from __future__ import annotations
+
+import itertools
+import types
+
+import torch
+
+D = 128
+HEADS = [(2, 8), (16, 32)]                 # (Hqk, Hv) for the single-GPU calls
+LENGTHS = [8192, 32768, 262144]            # tokens in the one sequence
+DUAL_HEADS = [8, 16, 32]                   # Hv for dual CP; Hqk = Hv // 2 (bench_cp.py)
+DUAL_TOKENS = [262144, 1048576]            # global tokens of the one sequence (bench_cp.py --tokens)
+DUAL_WORLDS = [(2, 0), (2, 1), (1, 0)]     # (world, rank); world 1 = bench_cp's one-GPU baseline on rank 0
+
+
+def make_inputs(T, Hqk, Hv, device, g_dtype=torch.float32, requires_grad=True, dtype=torch.bfloat16):
+    def e(*s, dt=dtype):
+        return torch.empty(*s, dtype=dt, device=device).requires_grad_(requires_grad)
+    return dict(q=e(1, T, Hqk, D), k=e(1, T, Hqk, D), v=e(1, T, Hv, D), g=e(1, T, Hv, dt=g_dtype),
+                beta=e(1, T, Hv))
+
+
+def fill_model_like(x):
+    """On the GPU: values like the benchmarks' (finite, decaying gates), so kernels run on sane data."""
+    with torch.no_grad():
+        for n in ("q", "k"):
+            x[n].copy_(torch.nn.functional.normalize(torch.randn_like(x[n], dtype=torch.float32), dim=-1))
+        x["v"].normal_()
+        x["beta"].copy_(torch.sigmoid(torch.randn_like(x["beta"], dtype=torch.float32)))
+        x["g"].copy_(-torch.nn.functional.softplus(torch.randn_like(x["g"], dtype=torch.float32) + 1.0))
+
+
+def single_gpu_scenarios():
+    """(label, kind, Hqk, Hv, T, cu_dtype or None, auto_cp)."""
+    out = []
+    for (Hqk, Hv), T, cu, auto_cp in itertools.product(HEADS, LENGTHS, [None, torch.int64, torch.int32], [True, False]):
+        c = "dense" if cu is None else f"cu_{str(cu).replace('torch.', '')}"
+        for kind in ("train", "infer", "fwd_api"):
+            if kind == "fwd_api" and cu is None:
+                continue   # bench_gdn passes cu_seqlens
+            out.append((f"{kind} Hqk={Hqk} Hv={Hv} T={T} {c} auto_cp={auto_cp}", kind, Hqk, Hv, T, cu, auto_cp))
+    return out
+
+
+def run_single(kind, Hqk, Hv, T, cu_dtype, auto_cp, device, fill=False, g_dtype=torch.float32):
+    """kind: train = autograd fwd+bwd (bench_bwd fwd_bwd); infer = autograd op under no_grad (bench_bwd fwd_only);
+    fwd_api = chunk_gated_delta_rule_fwd(scale, cu_seqlens, output_final_state=False) (bench_gdn)."""
+    import flash_qla
+
+    x = make_inputs(T, Hqk, Hv, device, g_dtype=g_dtype, requires_grad=(kind == "train"))
+    if fill:
+        fill_model_like(x)
+    cu = None if cu_dtype is None else torch.tensor([0, T], dtype=cu_dtype, device=device)
+    if kind == "fwd_api":
+        with torch.no_grad():
+            flash_qla.chunk_gated_delta_rule_fwd(**x, scale=D ** -0.5, cu_seqlens=cu, output_final_state=False,
+                                                 auto_cp=auto_cp)
+        return
+    if kind == "infer":
+        with torch.no_grad():
+            flash_qla.chunk_gated_delta_rule(**x, cu_seqlens=cu, auto_cp=auto_cp)
+        return
+    o, _ = flash_qla.chunk_gated_delta_rule(**x, cu_seqlens=cu, auto_cp=auto_cp)
+    o.backward(torch.empty_like(o) if not fill else torch.randn_like(o))
+
+
+def dual_scenarios():
+    out = []
+    for T, Hv, (world, rank) in itertools.product(DUAL_TOKENS, DUAL_HEADS, DUAL_WORLDS):
+        out.append((f"dual world={world} rank={rank} Hqk={Hv // 2} Hv={Hv} T={T}", "dual", Hv // 2, Hv, T, world, rank))
+    return out
+
+
+def run_dual(Hqk, Hv, T, world, rank, device, group, fill=False, g_dtype=torch.float32):
+    """bench_cp.py make_flash_qla: inter+intra ("dual") CP over `world` ranks, fwd (grad enabled) + bwd."""
+    import flash_qla
+    from flash_qla.ops.gated_delta_rule.chunk.cp import build_cp_context
+
+    cu = torch.tensor([0, T], dtype=torch.int32, device=device)
+    ctx = build_cp_context(cu.long(), enable_inter=True, enable_intra=True, group=group, num_v_heads=Hv,
+                           chunk_size=64, cu_seqlens_cpu=cu.long().cpu(), is_train=True)
+    x = make_inputs(T // world, Hqk, Hv, device, g_dtype=g_dtype, requires_grad=True)
+    if fill:
+        fill_model_like(x)
+    o, _ = flash_qla.chunk_gated_delta_rule(**x, cp_context=ctx)
+    o.backward(torch.empty_like(o) if not fill else torch.randn_like(o))
+    return ctx
+
+
+class FakeDist:
+    """torch.distributed for one pretend rank of `world` (CPU dry run only): rank/size queries and an
+    all_gather_into_tensor that fills every slot with this rank's input."""
+
+    def __init__(self, world, rank):
+        self.world, self.rank = world, rank
+        self.group = types.SimpleNamespace(name=f"fake-{world}-{rank}")
+
+    def __enter__(self):
+        import torch.distributed as dist
+        self.saved = {n: getattr(dist, n) for n in ("get_world_size", "get_rank", "all_gather_into_tensor")}
+        dist.get_world_size = lambda group=None: self.world
+        dist.get_rank = lambda group=None: self.rank
+
+        def all_gather_into_tensor(out, inp, group=None, async_op=False):
+            out.copy_(inp.unsqueeze(0).expand_as(out)) if out.numel() < (1 << 26) else None
+            return None
+        dist.all_gather_into_tensor = all_gather_into_tensor
+        return self
+
+    def __exit__(self, *exc):
+        import torch.distributed as dist
+        for n, f in self.saved.items():
+            setattr(dist, n, f)
