@@ -1,13 +1,17 @@
 #!/usr/bin/env bash
 # One nvidia-h200-x2 call for the multi-GPU checks: the GPU tests on GPU 1, inter-card CP parity against one
 # GPU (exact and warmup, contiguous and zigzag), Megatron's GDN layer with flashqla (vs Megatron's FLA layer,
-# TP 2, CP 2 both modes), then bench_cp (flashqla exact / warmup, then FLA CP where time is left).
-# Carry .devsite and .devkernels (scripts/pack_device_kernels.sh); logs go to $OUT. About 9 minutes.
+# TP 2, CP 2 both modes), then bench_cp (flashqla exact / warmup, FlashQLA dual CP when .devpeer holds its
+# prebuilt kernels, then FLA CP where time is left). Carry .devsite and .devkernels
+# (scripts/pack_device_kernels.sh), optionally .devpeer (benchmarks/peer_cache/); logs go to $OUT. About 9 minutes.
 #   BUDGET_S=560 scripts/device_cp.sh        # stop starting new steps after BUDGET_S seconds
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; BUDGET_S=${BUDGET_S:-560}
 mkdir -p "$OUT" /tmp/s /tmp/tlc
 tar xJf .devsite/site.tar.xz -C /tmp/s && tar xJf .devkernels/kernels.tar.xz -C /tmp/tlc || exit 1
+# FlashQLA 0.1.3's kernels built on the CPU machine (benchmarks/peer_cache/), when carried: no JIT on the GPUs
+peer=.devpeer/fqla_cache.tar.xz
+if [[ -f $peer ]]; then tar xJf "$peer" -C /tmp && cp -r /tmp/fqla_cache/. /tmp/tlc/; fi
 export PYTHONPATH=/tmp/s/site:$PWD TILELANG_CACHE_DIR=/tmp/tlc PYTHONUNBUFFERED=1 FLASHQLA_TEST_PREBUILT=/tmp/tlc
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 FLA_FLASH_QLA=0
 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >"$OUT/pip.log" 2>&1 || { cat "$OUT/pip.log"; exit 1; }
@@ -30,6 +34,11 @@ say "Megatron layer"
 timeout "$(left)" "${tr2[@]}" benchmarks/bench_cp.py --tokens 262144,1048576 --heads 8,32 --reps 5 \
   --impls "flashqla exact,flashqla warmup" --out "$OUT/bench_cp.md" 2>&1 | tee "$OUT/bench_cp.log" | grep "^|\|^- "
 say "bench_cp flashqla"
+if [[ -f $peer ]]; then
+  timeout "$(left)" "${tr2[@]}" benchmarks/bench_cp.py --tokens 262144,1048576 --heads 8,32 --reps 5 \
+    --impls "FlashQLA dual CP" --out "$OUT/bench_cp_fqla.md" 2>&1 | tee "$OUT/bench_cp_fqla.log" | grep "^|\|^- "
+  say "bench_cp FlashQLA"
+fi
 timeout "$(left)" "${tr2[@]}" benchmarks/bench_cp.py --tokens 262144 --heads 8 --reps 5 --impls "FLA CP" \
   --out "$OUT/bench_cp_fla.md" 2>&1 | tee "$OUT/bench_cp_fla.log" | grep "^|\|^- "
 say "bench_cp FLA"
