@@ -77,7 +77,7 @@ def _summaries_needed(idx: _PlanTensors, exact, has_h0: bool, dht_given: bool | 
     """active [2, rows, Hv] for hopper.summaries: S*_j where segment j + 1 starts from it; M_j where the
     forward chain multiplies it by a state that can be nonzero (exact_{j+1}, and j not a sequence's first
     segment unless there is an initial state), and, for the backward (dht_given not None), where the
-    mirror scan multiplies M_j^T by a gradient (intra.exit_gradients: f_j = exact_{j+1}, or 1 into a
+    mirror scan multiplies M_j^T by a gradient (`exit_gradients`: f_j = exact_{j+1}, or 1 into a
     given final-state gradient)."""
     exact_next = torch.zeros_like(exact)
     exact_next[:-1] = exact[1:]
@@ -155,11 +155,11 @@ def segmented_backward(hopper, q, k, v, g, beta, scale, initial_state, plan: Seg
     """The gradients of `segmented_forward` (its o and final state): (dq, dk, dv, dg, dbeta, dh0).
 
     The segments' starts are the forward's (`starts`) or recomputed as in the forward; one reverse walk
-    from zero gives every segment's D_j, the fp32 mirror scan (`exit_gradients`) the gradient leaving each segment, and the
-    kernel backward then runs every segment at once from its start and its exit gradient. Where the
-    forward dropped M_j S_{j,0} (warmup), the scan drops M_j^T likewise; the segment's own inputs still
-    see the whole exit gradient, i.e. the gradient of the term the forward dropped, which is below
-    e^cp_warmup of the state like the term itself.
+    from zero gives every segment's D_j, the fp32 mirror scan (`exit_gradients`) the gradient leaving
+    each segment, and the kernel backward then runs every segment at once from its start and its exit
+    gradient. Where the forward dropped M_j S_{j,0} (warmup), the scan drops M_j^T likewise; the
+    segment's own inputs still see the whole exit gradient, i.e. the gradient of the term the forward
+    dropped, which is below e^cp_warmup of the state like the term itself.
     """
     idx = _plan_tensors(plan, q.shape[0] * q.shape[1], q.device)
     packed = _packed(idx, q, k, v, g, beta)

@@ -197,7 +197,10 @@ def _launch_walk(x: ChunkedCall, h0, store_chunks: bool, store_final: bool, with
     slots = x.chunk_slots if store_chunks else 1
     h = torch.empty(slots, Hv, HEAD_DIM, HEAD_DIM, dtype=x.w.dtype, device=device)
     vnew = torch.empty_like(x.w)  # allocator-cached; untouched when store_chunks is False
-    active_arg = torch.ones(1, dtype=torch.int32, device=device) if active is None else active.to(torch.int32).reshape(-1)
+    if active is None:
+        active_arg = torch.ones(1, dtype=torch.int32, device=device)  # a placeholder: use_active = 0
+    else:
+        active_arg = active.to(torch.int32).reshape(-1)
     compiled_chunk_states(x.dtype, block_v_on(device, N * (1 + with_transition), Hv))(
         x.k, x.w, x.u, x.gcum, x.cu, x.offsets, h0_arg, h, vnew, ht_arg,
         ht_arg if mt is None else mt.view(N * Hv, HEAD_DIM, HEAD_DIM), active_arg,
