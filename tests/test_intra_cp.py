@@ -177,7 +177,7 @@ class TorchKernels:
         return self._forward(x, x.v, scale, h, False)[0]
 
     @staticmethod
-    def segment_chain(out, bias, mats, mask, first_rows, last_rows, reverse):
+    def fold_segments(out, bias, mats, mask, first_rows, last_rows, reverse):
         from kernel_emulator import emulate_segment_chain
 
         rows, heads = mask.shape

@@ -52,3 +52,17 @@ def test_importing_the_kernels_package_does_not_import_tilelang_kernels():
             "assert 'flashqla.kernels.hopper.fused_fwd' not in sys.modules; "
             "assert 'tilelang' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_kernel_submodules_do_not_shadow_the_host_api():
+    """Importing a kernel module sets it as an attribute of the package: a host function of the same name
+    (e.g. one named after its kernel) would turn into a module once the kernel is built in this process."""
+    import importlib
+    import pkgutil
+
+    from flashqla.kernels import hopper
+
+    before = {name: getattr(hopper, name) for name in hopper.__all__}
+    for module in pkgutil.iter_modules(hopper.__path__):
+        importlib.import_module(f"{hopper.__name__}.{module.name}")
+    assert {name: getattr(hopper, name) for name in hopper.__all__} == before

@@ -100,7 +100,7 @@ def _segment_starts(hopper, x, initial_state, idx: _PlanTensors, cp_warmup, dht_
     if initial_state is not None:
         S0[idx.first] = initial_state.to(S0.dtype)
     # S_{j,0} = S*_{j-1} + [exact_j] M_{j-1} S_{j-1,0}, the whole chain in one launch
-    return hopper.segment_chain(S0, S_star, M, exact.float(), idx.first, idx.last, reverse=False), M, exact
+    return hopper.fold_segments(S0, S_star, M, exact.float(), idx.first, idx.last, reverse=False), M, exact
 
 
 def _packed(idx, *tensors):
@@ -147,7 +147,7 @@ def exit_gradients(hopper, D, M, exact, idx: _PlanTensors, dht):
     into_next = torch.where(idx.has_next[:, None], torch.roll(exact, -1, 0), True)
     mask = D.new_zeros(D.shape[:2])
     mask[:-1] = into_next[1:]
-    return hopper.segment_chain(X, D, M, mask, idx.first, idx.last, reverse=True)
+    return hopper.fold_segments(X, D, M, mask, idx.first, idx.last, reverse=True)
 
 
 def segmented_backward(hopper, q, k, v, g, beta, scale, initial_state, plan: SegmentPlan, cp_warmup, do, dht,

@@ -9,7 +9,7 @@ Forward, three launches: `wy_inverse` (W, U and the chunk-local cumsum of g, per
 `chunk_states` (the serial state walk per sequence, v-head and V tile), `chunk_output` (all chunks at
 once). Backward (`chunk_gdn_bwd`, backward.py): `wy_inverse` and `chunk_states` again, the reverse walk
 `chunk_dstates`, then `chunk_bwd_local` (every chunk's gradients at once). Intra-card and inter-card CP
-(flashqla/cp) compose the same pieces: prepare, walk, summaries, segment_chain, output, state_gradients,
+(flashqla/cp) compose the same pieces: prepare, walk, summaries, fold_segments, output, state_gradients,
 backward_of.
 Nothing here imports tilelang or touches CUDA at import time; kernels compile on first use (or load
 from TileLang's cache).
@@ -20,11 +20,11 @@ import torch
 
 from .backward import (backward_of, chunk_gdn_bwd, entering_state_gradients, scaled_output_gradient,
                        state_gradients)
-from .launch import (HEAD_DIM, block_v_for, chunk_gdn_fwd, fused_forward, output, prepare, segment_chain, summaries,
+from .launch import (HEAD_DIM, block_v_for, chunk_gdn_fwd, fold_segments, fused_forward, output, prepare, summaries,
                      use_fused, walk)
 
 __all__ = ["unsupported_reason", "chunk_gdn_fwd", "chunk_gdn_bwd", "block_v_for", "prepare", "walk", "summaries",
-           "output", "fused_forward", "use_fused", "segment_chain", "state_gradients", "backward_of",
+           "output", "fused_forward", "use_fused", "fold_segments", "state_gradients", "backward_of",
            "scaled_output_gradient", "entering_state_gradients"]
 
 _DTYPES = (torch.bfloat16, torch.float16)

@@ -228,11 +228,12 @@ def summaries(x: ChunkedCall, with_transition: bool, active=None):
     return S_star, M
 
 
-def segment_chain(out, bias, mats, mask, first_rows, last_rows, reverse: bool):
-    """The chain over segments in one launch, in place on `out` (fp32 [rows, Hv, 128, 128]; first rows
-    (forward) or last rows (reverse) of every sequence set): forward out[r] = bias[r-1] + mask[r] mats[r-1]
-    out[r-1]; reverse out[r] = bias[r+1] + mask[r] mats[r+1]^T out[r+1]. bias, mats fp32 like out; mask
-    fp32 [rows, Hv]; first_rows, last_rows int32 [sequences]."""
+def fold_segments(out, bias, mats, mask, first_rows, last_rows, reverse: bool):
+    """The chain over segments in one `segment_chain` launch, in place on `out` (fp32 [rows, Hv, 128, 128];
+    first rows (forward) or last rows (reverse) of every sequence set):
+    forward out[r] = bias[r-1] + mask[r] mats[r-1] out[r-1]; reverse out[r] = bias[r+1] + mask[r]
+    mats[r+1]^T out[r+1]. bias, mats fp32 like out; mask fp32 [rows, Hv]; first_rows, last_rows int32
+    [sequences]."""
     rows, Hv = mask.shape
     flat = lambda t: t.view(rows * Hv, HEAD_DIM, HEAD_DIM)  # noqa: E731
     compiled_segment_chain()(flat(out), flat(bias), flat(mats), mask.reshape(-1), first_rows, last_rows, Hv,

@@ -70,7 +70,7 @@ def test_backward_reuses_the_forward_segmentation_plan(monkeypatch):
 def test_segment_chain_kernel_matches_the_float64_fold(reverse):
     """The one-launch chain over segments (a pack: 5 rows, 1 row, 3 rows; some masks 0) against the same
     fold in float64, row by row; fp32 products on CUDA cores keep it within fp32 rounding."""
-    from flashqla.kernels.hopper import segment_chain
+    from flashqla.kernels.hopper import fold_segments
 
     gen = torch.Generator(device="cuda").manual_seed(11)
     rows, heads = 9, 3
@@ -89,6 +89,6 @@ def test_segment_chain_kernel_matches_the_float64_fold(reverse):
             M = mats[src].double().transpose(-1, -2) if reverse else mats[src].double()
             want[r] = bias[src].double() + mask[r].double()[:, None, None] * (M @ want[src])
     as_int = lambda xs: torch.tensor(xs, dtype=torch.int32, device="cuda")  # noqa: E731
-    got = segment_chain(out, bias, mats, mask, as_int(first), as_int(last), reverse)
+    got = fold_segments(out, bias, mats, mask, as_int(first), as_int(last), reverse)
     assert not got.isnan().any()
     assert rel_err(got, want) <= 1e-5, rel_err(got, want)
