@@ -18,6 +18,17 @@ LENGTHS = [8192, 32768, 262144]            # tokens in the one sequence
 DUAL_HEADS = [8, 16, 32]                   # Hv for dual CP; Hqk = Hv // 2 (bench_cp.py)
 DUAL_TOKENS = [262144, 1048576]            # global tokens of the one sequence (bench_cp.py --tokens)
 DUAL_WORLDS = [(2, 0), (2, 1), (1, 0)]     # (world, rank); world 1 = bench_cp's one-GPU baseline on rank 0
+# bench_bwd.py's matrix (HEADS x TOKENS x SEQS equal sequences): flash_qla.chunk_gated_delta_rule(q, k, v, g, beta,
+# cu_seqlens=cu.long()) with its defaults (auto_cp=True), fwd+bwd and fwd under no_grad
+BWD_HEADS = [(16, 32), (8, 16), (4, 8), (2, 4)]
+BWD_TOKENS = [8192, 32768]
+BWD_SEQS = [1, 2, 4, 8]
+# bench_gdn.py's CONFIGS (Hqk, Hv, sequence lengths): chunk_gated_delta_rule_fwd(scale=D ** -0.5,
+# cu_seqlens=cu.long(), output_final_state=False, auto_cp=False / True)
+GDN_CONFIGS = [
+    (2, 8, [32768]), (2, 8, [16384]), (2, 8, [24576, 8192]), (4, 16, [32768]), (4, 16, [16384]),
+    (8, 24, [32768]), (16, 16, [32768]), (32, 32, [32768]), (2, 8, [4096] * 8), (16, 64, [8192] * 4),
+]
 
 
 def make_inputs(T, Hqk, Hv, device, g_dtype=torch.float32, requires_grad=True, dtype=torch.bfloat16):
@@ -37,27 +48,52 @@ def fill_model_like(x):
         x["g"].copy_(-torch.nn.functional.softplus(torch.randn_like(x["g"], dtype=torch.float32) + 1.0))
 
 
+def _seq_label(seqs):
+    if seqs is None or len(seqs) == 1:
+        return ""
+    return f" seqs={seqs[0]}x{len(seqs)}" if len(set(seqs)) == 1 else " seqs=" + "+".join(map(str, seqs))
+
+
 def single_gpu_scenarios():
-    """(label, kind, Hqk, Hv, T, cu_dtype or None, auto_cp)."""
-    out = []
-    for (Hqk, Hv), T, cu, auto_cp in itertools.product(HEADS, LENGTHS, [None, torch.int64, torch.int32], [True, False]):
+    """(label, kind, Hqk, Hv, T, cu_dtype or None, auto_cp, seqs or None); seqs None = one sequence of T tokens."""
+    out, seen = [], set()
+
+    def add(kind, Hqk, Hv, T, cu, auto_cp, seqs=None):
+        seqs = None if seqs is None or len(seqs) == 1 else list(seqs)
+        key = (kind, Hqk, Hv, T, cu, auto_cp, None if seqs is None else tuple(seqs))
+        if key in seen:
+            return
+        seen.add(key)
         c = "dense" if cu is None else f"cu_{str(cu).replace('torch.', '')}"
+        out.append((f"{kind} Hqk={Hqk} Hv={Hv} T={T} {c} auto_cp={auto_cp}{_seq_label(seqs)}",
+                    kind, Hqk, Hv, T, cu, auto_cp, seqs))
+
+    for (Hqk, Hv), T, cu, auto_cp in itertools.product(HEADS, LENGTHS, [None, torch.int64, torch.int32], [True, False]):
         for kind in ("train", "infer", "fwd_api"):
             if kind == "fwd_api" and cu is None:
                 continue   # bench_gdn passes cu_seqlens
-            out.append((f"{kind} Hqk={Hqk} Hv={Hv} T={T} {c} auto_cp={auto_cp}", kind, Hqk, Hv, T, cu, auto_cp))
+            add(kind, Hqk, Hv, T, cu, auto_cp)
+    for (Hqk, Hv), T, n in itertools.product(BWD_HEADS, BWD_TOKENS, BWD_SEQS):
+        for kind in ("train", "infer"):
+            add(kind, Hqk, Hv, T, torch.int64, True, [T // n] * n)
+    for (Hqk, Hv, seqs), auto_cp in itertools.product(GDN_CONFIGS, [False, True]):
+        add("fwd_api", Hqk, Hv, sum(seqs), torch.int64, auto_cp, seqs)
     return out
 
 
-def run_single(kind, Hqk, Hv, T, cu_dtype, auto_cp, device, fill=False, g_dtype=torch.float32):
-    """kind: train = autograd fwd+bwd (bench_bwd fwd_bwd); infer = autograd op under no_grad (bench_bwd fwd_only);
-    fwd_api = chunk_gated_delta_rule_fwd(scale, cu_seqlens, output_final_state=False) (bench_gdn)."""
+def run_single(kind, Hqk, Hv, T, cu_dtype, auto_cp, seqs=None, device=None, fill=False, g_dtype=torch.float32):
+    """kind: train = autograd fwd+bwd (bench_bwd fwd_bwd); infer = autograd op under no_grad (bench_bwd fwd_only;
+    flash_qla's is_train is False under no_grad whether or not the inputs require grad);
+    fwd_api = chunk_gated_delta_rule_fwd(scale, cu_seqlens, output_final_state=False) (bench_gdn).
+    seqs: the packed sequence lengths (sum T) behind cu_seqlens; None = one sequence."""
     import flash_qla
 
     x = make_inputs(T, Hqk, Hv, device, g_dtype=g_dtype, requires_grad=(kind == "train"))
     if fill:
         fill_model_like(x)
-    cu = None if cu_dtype is None else torch.tensor([0, T], dtype=cu_dtype, device=device)
+    assert seqs is None or sum(seqs) == T, (seqs, T)
+    cu = None if cu_dtype is None else torch.tensor([0] + list(itertools.accumulate(seqs or [T])), dtype=cu_dtype,
+                                                    device=device)
     if kind == "fwd_api":
         with torch.no_grad():
             flash_qla.chunk_gated_delta_rule_fwd(**x, scale=D ** -0.5, cu_seqlens=cu, output_final_state=False,
