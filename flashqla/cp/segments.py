@@ -51,17 +51,16 @@ class _PlanTensors:
 @functools.lru_cache(maxsize=64)
 def _plan_tensors(plan: SegmentPlan, num_tokens: int, device: torch.device) -> _PlanTensors:
     as_tensor = lambda xs, dtype=torch.long: torch.tensor(xs, dtype=dtype, device=device)  # noqa: E731
-    chunk_last, chunk_row = [], []
-    for row, (start, length) in enumerate(zip(plan.starts, plan.lengths)):
-        for chunk_start in range(0, length, CHUNK):
-            chunk_last.append(start + min(chunk_start + CHUNK, length) - 1)
-            chunk_row.append(row)
+    chunks = [-(-length // CHUNK) for length in plan.lengths]
+    chunk_last = [start + min((c + 1) * CHUNK, length) - 1
+                  for start, length, count in zip(plan.starts, plan.lengths, chunks) for c in range(count)]
+    chunk_row = [row for row, count in enumerate(chunks) for _ in range(count)]
     position = as_tensor(plan.position)
     has_next = torch.zeros_like(position, dtype=torch.bool)
     has_next[:-1] = position[1:] > 0
     cu = as_tensor(plan.starts + (plan.starts[-1] + plan.lengths[-1],), torch.int32)
-    chunk_offsets = as_tensor(list(itertools.accumulate((-(-n // CHUNK) for n in plan.lengths), initial=0)),
-                              torch.int32)  # launch.chunk_offsets_of(cu), once per plan
+    # what launch.chunk_offsets_of(cu) computes on the device, once per plan
+    chunk_offsets = as_tensor(list(itertools.accumulate(chunks, initial=0)), torch.int32)
     return _PlanTensors(cu, chunk_offsets, position > 0, has_next, as_tensor(plan.first_rows, torch.int32),
                         as_tensor(plan.last_rows, torch.int32), as_tensor(chunk_last), as_tensor(chunk_row), num_tokens)
 
@@ -73,19 +72,24 @@ def _segment_log_decay(gcum: torch.Tensor, idx: _PlanTensors) -> torch.Tensor:
     return per_chunk.new_zeros(idx.cu.numel() - 1, gcum.shape[0]).index_add_(0, idx.chunk_row, per_chunk)
 
 
+def _into_next(idx: _PlanTensors, exact, into_final: bool):
+    """[rows, Hv] bool: whether the state leaving segment j reaches what follows it, exact_{j+1} into the
+    sequence's next segment, `into_final` out of its last one (the f_j of `exit_gradients`)."""
+    exact_next = torch.full_like(exact, into_final)
+    exact_next[:-1] = torch.where(idx.has_next[:-1, None], exact[1:], into_final)
+    return exact_next
+
+
 def _summaries_needed(idx: _PlanTensors, exact, has_h0: bool, dht_given: bool | None):
     """active [2, rows, Hv] for hopper.summaries: S*_j where segment j + 1 starts from it; M_j where the
     forward chain multiplies it by a state that can be nonzero (exact_{j+1}, and j not a sequence's first
     segment unless there is an initial state), and, for the backward (dht_given not None), where the
     mirror scan multiplies M_j^T by a gradient (`exit_gradients`: f_j = exact_{j+1}, or 1 into a
     given final-state gradient)."""
-    exact_next = torch.zeros_like(exact)
-    exact_next[:-1] = exact[1:]
-    M_forward = exact_next & (idx.has_prev[:, None] | has_h0)
+    M_forward = _into_next(idx, exact, False) & (idx.has_prev[:, None] | has_h0)
     active = [idx.has_next[:, None].expand_as(exact), M_forward]
     if dht_given is not None:
-        into_next = torch.where(idx.has_next[:, None], exact_next, dht_given)
-        active[1] = M_forward | (idx.has_prev[:, None] & into_next)
+        active[1] = M_forward | (idx.has_prev[:, None] & _into_next(idx, exact, dht_given))
     return torch.stack(active)
 
 
@@ -143,10 +147,8 @@ def exit_gradients(hopper, D, M, exact, idx: _PlanTensors, dht):
     X = torch.zeros_like(D)
     if dht is not None:
         X[idx.last] = dht.to(X.dtype)
-    # into_next_j = exact_{j+1} into the next segment, 1 into the final state; row j - 1 reads f_j
-    into_next = torch.where(idx.has_next[:, None], torch.roll(exact, -1, 0), True)
     mask = D.new_zeros(D.shape[:2])
-    mask[:-1] = into_next[1:]
+    mask[:-1] = _into_next(idx, exact, True)[1:]  # row j - 1 reads f_j
     return hopper.fold_segments(X, D, M, mask, idx.first, idx.last, reverse=True)
 
 

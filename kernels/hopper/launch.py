@@ -221,8 +221,6 @@ def summaries(x: ChunkedCall, with_transition: bool, active=None):
     the zero state and, with_transition, the transition product M (the walk of U = 0 from S0 = I; S_end =
     M S_start + S*, design doc §3) in the same launch. active: bool [2, N, Hv] or None (all): which S* (0)
     and M (1) to compute; the others come back as zeros."""
-    if active is not None and not with_transition:
-        active = torch.cat([active[:1], torch.zeros_like(active[:1])])
     _, _, S_star, M = _launch_walk(x, None, store_chunks=False, store_final=True, with_transition=with_transition,
                                    active=active)
     return S_star, M
