@@ -6,7 +6,6 @@ recorded (dry run) or compiled / loaded from the TileLang cache and then *not* l
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import sys
 import types
@@ -67,7 +66,6 @@ def fake_cuda():
 
 def import_flash_qla():
     """Import flash_qla as on an H200: compute version 9.0 (hopper kernels), 132 SMs."""
-    import tilelang
     import tilelang.contrib.nvcc as nvcc
     from tvm.target import Target
 
@@ -91,7 +89,6 @@ def import_flash_qla():
 
 def jit_registry():
     """id(JITImpl) -> 'module:attr' for every tilelang.jit kernel factory in flash_qla's hopper/utility modules."""
-    import importlib
     from tilelang.jit import JITImpl
 
     names = {}

@@ -29,7 +29,6 @@ sys.path.insert(0, HERE)
 
 def dry_run(mode, only=None, log=print):
     """Run every scenario through flash-qla's host code; returns (recorder, hooks, failures)."""
-    import torch
     import fqla_cpu
     import scenarios as S
 

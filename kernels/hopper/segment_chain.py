@@ -22,7 +22,6 @@ BLOCK_V = 32
 def build_segment_chain():
     num_mats = T.dynamic("num_mats")
     num_seqs = T.dynamic("num_seqs")
-    num_v_heads = T.dynamic("num_v_heads")
     D, BV = HEAD_DIM, BLOCK_V
 
     @T.prim_func
