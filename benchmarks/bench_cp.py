@@ -108,25 +108,34 @@ IMPLS = [Impl("flashqla exact", make_flashqla(cp_warmup=None)), Impl("flashqla w
          Impl("FLA CP", make_fla), Impl("FlashQLA dual CP", make_flash_qla)]
 
 
-def median_ms(step, x, backward, reps, device):
+def step_ms(step, x, backward, device):
+    """One step: CUDA events around it on a GPU (the stream idle before it), host time on the CPU."""
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        step(x, backward)
+        stop.record()
+        stop.synchronize()
+        return start.elapsed_time(stop)
+    t0 = time.perf_counter()
+    step(x, backward)
+    return (time.perf_counter() - t0) * 1e3
+
+
+def median_ms(step, x, backward, reps, device, group=None):
+    """Median of `reps` barrier-aligned steps after 3 warm-up steps (compiles, caches), the slowest rank
+    of `group`; group=False: this rank alone (the one-GPU baselines)."""
     times = []
     for i in range(reps + 3):
-        dist.barrier()
-        if device.type == "cuda":
-            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            step(x, backward)
-            stop.record()
-            stop.synchronize()
-            elapsed = start.elapsed_time(stop)
-        else:
-            t0 = time.perf_counter()
-            step(x, backward)
-            elapsed = (time.perf_counter() - t0) * 1e3
-        if i >= 3:  # warm-up: compiles and caches
+        if group is not False:
+            dist.barrier()
+        elapsed = step_ms(step, x, backward, device)
+        if i >= 3:
             times.append(elapsed)
     mine = torch.tensor([statistics.median(times)], device=device)
-    dist.all_reduce(mine, op=dist.ReduceOp.MAX)  # a step is as slow as its slowest rank
+    if group is not False:
+        dist.all_reduce(mine, op=dist.ReduceOp.MAX)  # a step is as slow as its slowest rank
     return mine.item()
 
 
@@ -174,17 +183,7 @@ def main():
                         one = impl.make(cu, single, Hv)
                         full = {n: t.detach().clone().requires_grad_(True) for n, t in x.items()}
                         for b, key in ((False, "fwd1"), (True, "fwd+bwd1")):
-                            times = []
-                            for i in range(args.reps + 3):
-                                if cuda:
-                                    torch.cuda.synchronize()
-                                t0 = time.perf_counter()
-                                one(full, b)
-                                if cuda:
-                                    torch.cuda.synchronize()
-                                if i >= 3:
-                                    times.append((time.perf_counter() - t0) * 1e3)
-                            row[key] = statistics.median(times)
+                            row[key] = median_ms(one, full, b, args.reps, device, group=False)
                     if impl.name.startswith("flashqla"):
                         row["exposed_fwd"] = row["fwd"] - local_ms[False]
                         row["exposed_fwd+bwd"] = row["fwd+bwd"] - local_ms[True]

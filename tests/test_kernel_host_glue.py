@@ -175,13 +175,67 @@ def _inter_card_cp_on_the_kernel_path(rank, world, lengths, intra_cp):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("intra_cp", ["off", 2])
-def test_inter_card_cp_on_the_kernel_path_equals_one_process(intra_cp):
-    """Two gloo ranks, a pack whose middle sequence crosses the cut, on the (emulated) kernels: summaries,
-    exchange, the local kernel forward with the entering state, D_p and the kernel backward."""
+@pytest.mark.parametrize("world, lengths, intra_cp", [(2, [130, 300, 82], "off"), (2, [130, 300, 82], 2),
+                                                      (3, [100, 600, 68], 2)])
+def test_inter_card_cp_on_the_kernel_path_equals_one_process(world, lengths, intra_cp):
+    """gloo ranks, a pack whose middle sequence crosses the cuts, on the (emulated) kernels: summaries,
+    exchange, the local kernel forward with the entering state, D_p and the kernel backward. With three
+    ranks the middle one holds a piece of that sequence only: its call both receives a state and passes
+    one on (the two-phase forward and backward with an initial state and a final-state gradient)."""
     from multiprocess import run_on_ranks
 
-    run_on_ranks(2, _inter_card_cp_on_the_kernel_path, [130, 300, 82], intra_cp)
+    run_on_ranks(world, _inter_card_cp_on_the_kernel_path, lengths, intra_cp)
+
+
+def _cp_work_order(rank, world):
+    """On each rank, the order of the segmented kernel path's phases and the exchange waits."""
+    import torch.distributed as dist
+
+    import flashqla
+    from flashqla.cp import build_cp_context, inter, segments
+    from flashqla.ops import backends
+
+    patches = pytest.MonkeyPatch()
+    kernel_emulator.install(patches)
+    patches.setattr(backends, "tilelang_unsupported_reason", lambda call: None)
+    events = []
+
+    def recorded(owner, name):
+        fn = getattr(owner, name)
+        patches.setattr(owner, name, lambda *a, **kw: events.append(name) or fn(*a, **kw))
+
+    for name in ("forward_summaries", "forward_from_summaries", "_segment_summaries", "backward_prologue",
+                 "backward_finish"):
+        recorded(segments, name)
+    recorded(inter._Exchange, "wait")
+    args, cu = call([640], Hqk=1, Hv=2, with_h0=False, seed=8)
+    part = 640 // world
+    local = {n: args[n].detach()[:, rank * part:(rank + 1) * part].clone().requires_grad_(True) for n in NAMES}
+    ctx = build_cp_context(cu, group=dist.group.WORLD, layout="contiguous")
+    o, _ = flashqla.chunk_gated_delta_rule(**local, cp_context=ctx, backend="tilelang", intra_cp=2, cp_warmup=None)
+    forward_events = list(events)
+    events.clear()
+    o.float().sum().backward()
+    patches.undo()
+    # rank 0 sends the state and receives the exit gradient; rank 1 the other way round
+    expected_forward = ["forward_summaries", "_segment_summaries", "forward_from_summaries", "wait"]
+    expected_backward = ["backward_prologue", "wait", "backward_finish"]
+    if rank == 1:
+        expected_forward = ["forward_summaries", "_segment_summaries", "wait", "forward_from_summaries"]
+        expected_backward = ["backward_prologue", "backward_finish", "wait"]
+    assert forward_events == expected_forward, (rank, forward_events)
+    assert events == expected_backward, (rank, events)  # no _segment_summaries: the forward kept the starts
+
+
+@pytest.mark.multiprocess
+def test_inter_card_cp_overlaps_the_exchange_and_reuses_the_forward_starts():
+    """One 640-token sequence over two ranks, segments of 2 chunks. Forward: the rank that receives the state
+    runs its WY inverse and summaries before it waits for the exchange, and only the chain and walk after.
+    Backward: the rank that receives the exit gradient runs its prologue (WY inverse, reverse walks) before
+    the wait; neither rank's backward recomputes the segment summaries (the forward kept its starts)."""
+    from multiprocess import run_on_ranks
+
+    run_on_ranks(2, _cp_work_order)
 
 
 def test_public_op_on_the_kernel_path_segments_by_the_calibrated_rule(hopper, monkeypatch):

@@ -9,21 +9,28 @@ p). One all-gather shares (S*, M); each rank folds the chain of the parts before
 and runs the ordinary local op with S_enter as the initial state of the part's first sequence. The
 summaries come from span.py: the span cut into segments summarised in parallel and folded, or, when
 every head's gates decay by more than e^cp_warmup over the span, S* of its last few chunks and M = 0.
-On NCCL the all-gather is started asynchronously and the local work that does not need S_enter (every
-sequence that starts on this rank) runs while it is in flight.
+On NCCL the all-gather is started asynchronously and the local work that does not need S_enter runs
+while it is in flight: every sequence that starts on this rank, and of a sequence entering from the part
+before, its WY inverse and segment summaries (backends.forward_in_two); only the segment chain and the
+walk wait for the state. The forward keeps each local call's segment starts for the backward.
 
 Backward mirrors it: for its first sequence each part computes D_p, the gradient of the state entering
 the part when the gradient leaving the part is zero (span.py: segments' reverse walks and a fold, or
 the first few chunks under the same warmup rule), and M'_p (the transition product of that sequence
 inside the part, 0 if it ends there or the forward's warmup dropped it); one all-gather; then
 X_p = D_{p+1} + M'_{p+1}^T X_{p+1}
-is the gradient of the state leaving part p, fed to the local backward as the last sequence's dht.
+is the gradient of the state leaving part p, fed to the local backward as the last sequence's dht. While
+the D travel, the calls whose last sequence ends in this part run their whole backward, and the others
+their WY inverse and reverse walks from zero (backends.backward_in_two); only the mirror scan and the
+kernel backward wait for X.
 
 Every rank joins every all-gather, whether or not it needs the result. Before the summaries, a tiny
 all-gather of each rank's error flag and shapes lets a bad call on one rank raise on all of them
 (instead of leaving the others waiting) and guarantees equal payload sizes.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -102,6 +109,52 @@ def agree_on_call(cp: CPContext, error: str | None, q, v) -> None:
                          f"{everyone[:, 1:].tolist()} (rows = ranks: Hqk, Hv, K, V, dtype)")
 
 
+@dataclass
+class _LocalCall:
+    """One local op call of the forward over tokens [start, end) of this rank's stream, kept for the
+    backward: a run of sequences that start in this part, or a sequence entering from the part before
+    (`entering`: the piece whose S_enter is its initial state). `leaving`: the piece whose chain state
+    its last sequence carries on (its backward then waits for X), else None."""
+
+    start: int
+    end: int
+    bounds: tuple[int, ...]  # its sequences' offsets, from 0
+    entering: int | None
+    leaving: int | None
+    initial_state: torch.Tensor | None = None
+    kept: object = None  # what the forward left for the backward (backends.forward, for_backward)
+
+    def inputs(self, *tensors):
+        return [_span(t, self.start, self.end) for t in tensors]
+
+    def op_call(self, q, k, v, g, beta):
+        offsets = backends.device_offsets(self.bounds, q.device)
+        return backends.Call(*self.inputs(q, k, v, g, beta), self.initial_state, offsets)
+
+
+def _local_calls(cp: CPContext) -> list[_LocalCall]:
+    """The forward's local calls, in token order: per piece, the sequence entering it (if any), then the
+    sequences that start in it."""
+    calls = []
+    for piece in cp.pieces:
+        start, end = piece.local_start, piece.local_start + piece.length
+        leaving = piece.index if piece.last_seq_continues else None
+        if piece.first_seq_continues:
+            n = cp.first_sequence_of(piece)
+            s, e = _sequence_span(cp, n)
+            calls.append(_LocalCall(s, e, (0, e - s), piece.index, leaving if cp.last_sequence_of(piece) == n else None))
+            start = e
+        if start < end:
+            bounds = tuple(b - start for b in cp.local_bounds if start <= b <= end)
+            calls.append(_LocalCall(start, end, bounds, None, leaving))
+    return calls
+
+
+def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
+    """Token ranges [1, t_i, ...] in order -> [1, sum t_i, ...] (no copy for a single range)."""
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+
+
 class InterCardCPFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, g, beta, scale, cp: CPContext, plan, cp_warmup, backend):
@@ -118,37 +171,38 @@ class InterCardCPFunction(torch.autograd.Function):
                 if M_piece is not None:  # None: not spanning, or the warmup dropped it
                     M[i] = M_piece
         exchange = _Exchange(cp, S_star, M)
-        # while the summaries travel: every sequence that starts on this rank (zero initial state), each
-        # sequence computed once (a sequence continuing from an earlier part waits for its state below)
-        o = q.new_empty(v.shape)
-        for s, e in _ranges_starting_here(cp):
-            bounds = tuple(b - s for b in cp.local_bounds if s <= b <= e)
-            cu_range = backends.device_offsets(bounds, q.device)
-            o[:, s:e] = _local_forward(*[_span(t, s, e) for t in (q, k, v, g, beta)], scale, None, cu_range,
-                                       _range_plan(plan, bounds), cp_warmup, backend)
-        initial_state = q.new_zeros((len(cp.local_bounds) - 1, Hv, K, V), dtype=dtype)
+        # while the summaries travel: every sequence that starts on this rank (zero initial state), and of
+        # each sequence entering from the part before, all that does not read its state (backends.forward_in_two)
+        calls, outputs, waiting = _local_calls(cp), {}, []
+        for call in calls:
+            plan_of_call = _range_plan(plan, call.bounds)
+            op_call = call.op_call(q, k, v, g, beta)
+            if call.entering is None:
+                outputs[call.start], _, call.kept = backends.forward(backend, op_call, scale, call.leaving is not None,
+                                                                     plan_of_call, cp_warmup, for_backward=True)
+            else:
+                waiting.append((call, backends.forward_in_two(backend, op_call, scale, call.leaving is not None,
+                                                              plan_of_call, cp_warmup)))
         states, mats = exchange.wait()
         S_enter = _fold_forward(cp, states, mats)
-        for piece in cp.pieces:
-            if piece.first_seq_continues:
-                n = cp.first_sequence_of(piece)
-                initial_state[n] = S_enter[piece.index]
-                s, e = _sequence_span(cp, n)
-                o[:, s:e] = _local_forward(*[_span(t, s, e) for t in (q, k, v, g, beta)], scale,
-                                           initial_state[n:n + 1], None, _range_plan(plan, (0, e - s)), cp_warmup, backend)
+        for call, finish in waiting:
+            call.initial_state = S_enter[call.entering].unsqueeze(0)
+            outputs[call.start], _, call.kept = finish(call.initial_state)
         # M of a sequence spanning a whole part is also that part's M'_p in backward (0 where the warmup
         # dropped it, and the backward's D then takes the warmup too: span.py): keep it
-        ctx.save_for_backward(q, k, v, g, beta, initial_state, M)
-        ctx.scale, ctx.cp, ctx.plan, ctx.cp_warmup, ctx.backend = scale, cp, plan, cp_warmup, backend
-        return o
+        ctx.save_for_backward(q, k, v, g, beta, M)
+        ctx.scale, ctx.cp, ctx.plan, ctx.cp_warmup, ctx.backend, ctx.calls = scale, cp, plan, cp_warmup, backend, calls
+        return _joined([outputs[call.start] for call in calls])
 
     @staticmethod
     def backward(ctx, do):
-        q, k, v, g, beta, initial_state, M_spanning = ctx.saved_tensors
-        cp, scale, plan, warmup = ctx.cp, ctx.scale, ctx.plan, ctx.cp_warmup
+        q, k, v, g, beta, M_spanning = ctx.saved_tensors
+        cp, scale, plan, warmup, backend, calls = ctx.cp, ctx.scale, ctx.plan, ctx.cp_warmup, ctx.backend, ctx.calls
+        ctx.calls = None  # the kept starts are freed with the backward
         do = do.contiguous()
         Hv, K, V = v.shape[2], q.shape[3], v.shape[3]
-        D = torch.zeros((len(cp.pieces), Hv, K, V), dtype=initial_state.dtype, device=q.device)
+        dtype = reference.work_dtype(q)
+        D = torch.zeros((len(cp.pieces), Hv, K, V), dtype=dtype, device=q.device)
         for i, piece in enumerate(cp.pieces):
             if piece.first_seq_continues:
                 n = cp.first_sequence_of(piece)
@@ -156,18 +210,26 @@ class InterCardCPFunction(torch.autograd.Function):
                 args = [_span(t, s, e) for t in (q, k, v, g, beta)]
                 # D: gradient of the entering state with a zero gradient leaving the part (reverse walks
                 # alone; the full local backward below gives the other gradients)
-                D[i] = span.span_entering_gradient(ctx.backend, *args, scale, do[:, s:e], _segment_chunks(plan),
-                                                   warmup)
+                D[i] = span.span_entering_gradient(backend, *args, scale, do[:, s:e], _segment_chunks(plan), warmup)
         # M'_p is nonzero only where the first sequence also leaves the part: the forward's M
         exchange = _Exchange(cp, D, M_spanning)
+        # while the D travel: the backward of every call whose last sequence stays in this part, and of the
+        # others all that does not read the gradient leaving the part (backends.backward_in_two)
+        grads, waiting = {}, []
+        for call in calls:
+            args = (backend, call.op_call(q, k, v, g, beta), scale, _range_plan(plan, call.bounds), warmup,
+                    call.inputs(do)[0])
+            if call.leaving is None:
+                grads[call.start] = backends.backward(*args, None, call.kept)
+            else:
+                waiting.append((call, backends.backward_in_two(*args, call.kept)))
         dD, dM = exchange.wait()
         X = _fold_backward(cp, dD, dM)
-        dht = torch.zeros_like(initial_state)
-        for piece in cp.pieces:
-            if piece.last_seq_continues:
-                dht[cp.last_sequence_of(piece)] = X[piece.index]
-        call = backends.Call(q, k, v, g, beta, initial_state, cp.cu_seqlens)
-        dq, dk, dv, dg, dbeta, _ = backends.backward(ctx.backend, call, scale, plan, warmup, do, dht)
+        for call, finish in waiting:
+            dht = X.new_zeros((len(call.bounds) - 1, Hv, K, V))
+            dht[-1] = X[call.leaving]
+            grads[call.start] = finish(dht)
+        dq, dk, dv, dg, dbeta = (_joined([grads[call.start][i] for call in calls]) for i in range(5))
         return dq, dk, dv, dg, dbeta, None, None, None, None, None
 
 
@@ -180,28 +242,9 @@ def _segment_chunks(plan) -> int:
     return plan.segment_chunks if plan.segment_chunks > 0 else span.DEFAULT_SEGMENT_CHUNKS
 
 
-def _ranges_starting_here(cp: CPContext) -> list[tuple[int, int]]:
-    """Local token ranges [start, end) whose sequences all start on this rank: each piece without the
-    sequence it continues from the part before (empty when that sequence fills the piece)."""
-    ranges = []
-    for piece in cp.pieces:
-        start, end = piece.local_start, piece.local_start + piece.length
-        if piece.first_seq_continues:
-            start = cp.local_bounds[cp.first_sequence_of(piece) + 1]
-        if start < end:
-            ranges.append((start, end))
-    return ranges
-
-
 def _range_plan(plan, bounds: tuple[int, ...]):
     """The call's segment length, for the sequences at offsets `bounds` of a range of the local stream."""
     return torch_backend.make_plan(1, bounds[-1], list(bounds), plan.segment_chunks)
-
-
-def _local_forward(q, k, v, g, beta, scale, initial_state, cu_seqlens, plan, cp_warmup, backend):
-    call = backends.Call(q, k, v, g, beta, initial_state, cu_seqlens)
-    o, _ = backends.forward(backend, call, scale, False, plan, cp_warmup)
-    return o
 
 
 def _fold_forward(cp: CPContext, S_star: torch.Tensor, M: torch.Tensor) -> torch.Tensor:

@@ -93,22 +93,68 @@ def _summaries_needed(idx: _PlanTensors, exact, has_h0: bool, dht_given: bool | 
     return torch.stack(active)
 
 
-def _segment_starts(hopper, x, initial_state, idx: _PlanTensors, cp_warmup, dht_given=None):
-    """(S_{j,0} of every segment, M_j, exact mask [rows, Hv]): steps 1-2 above, fp32."""
+def _segment_summaries(hopper, x, idx: _PlanTensors, cp_warmup, has_h0: bool, dht_given=None):
+    """(S*_j, M_j, exact mask [rows, Hv]) of every segment from zero: step 1 above (no initial state
+    needed, only whether one will come), fp32."""
     exact = idx.has_prev[:, None].expand(-1, x.num_v_heads).clone()
     if cp_warmup is not None:
         exact[1:] &= _segment_log_decay(x.gcum, idx)[:-1] >= cp_warmup  # row j reads the decay of row j-1
-    active = _summaries_needed(idx, exact, initial_state is not None, dht_given)
+    active = _summaries_needed(idx, exact, has_h0, dht_given)
     S_star, M = hopper.summaries(x, with_transition=True, active=active)
+    return S_star, M, exact
+
+
+def _chain(hopper, S_star, M, exact, idx: _PlanTensors, initial_state):
+    """S_{j,0} of every segment: step 2 above, S_{j,0} = S*_{j-1} + [exact_j] M_{j-1} S_{j-1,0}, the
+    whole chain in one launch from the sequences' initial states (zero when None)."""
     S0 = torch.zeros_like(S_star)
     if initial_state is not None:
         S0[idx.first] = initial_state.to(S0.dtype)
-    # S_{j,0} = S*_{j-1} + [exact_j] M_{j-1} S_{j-1,0}, the whole chain in one launch
-    return hopper.fold_segments(S0, S_star, M, exact.float(), idx.first, idx.last, reverse=False), M, exact
+    return hopper.fold_segments(S0, S_star, M, exact.float(), idx.first, idx.last, reverse=False)
 
 
 def _packed(idx, *tensors):
     return [t.reshape((1, idx.num_tokens) + t.shape[2:]) for t in tensors]
+
+
+@dataclass
+class ForwardSummaries:
+    """What the forward computes before it needs the initial states (`forward_summaries`)."""
+
+    idx: _PlanTensors
+    packed: list
+    x: object  # hopper.prepare's result
+    S_star: torch.Tensor
+    M: torch.Tensor
+    exact: torch.Tensor
+    v_shape: torch.Size
+
+
+def forward_summaries(hopper, q, k, v, g, beta, plan: SegmentPlan, cp_warmup, has_h0: bool,
+                      dht_given: bool | None = None) -> ForwardSummaries:
+    """The first half of `segmented_forward`: everything that does not read the initial states (the
+    WY inverse and the summary launch), so inter-card CP runs it while the states are on their way.
+    has_h0: an initial state will be given; dht_given: as `_summaries_needed` (None: no backward)."""
+    idx = _plan_tensors(plan, q.shape[0] * q.shape[1], q.device)
+    # segments start on chunk boundaries of their sequence, so they chunk exactly like the sequences
+    packed = _packed(idx, q, k, v, g, beta)
+    x = hopper.prepare(*packed, idx.cu, chunk_offsets=idx.chunk_offsets)
+    return ForwardSummaries(idx, packed, x, *_segment_summaries(hopper, x, idx, cp_warmup, has_h0, dht_given), v.shape)
+
+
+def forward_from_summaries(hopper, summ: ForwardSummaries, scale, initial_state, output_final_state, fused=None,
+                           with_starts=False):
+    """The second half of `segmented_forward`: the chain from the initial states, then the walk."""
+    idx, x, v = summ.idx, summ.x, summ.packed[2]
+    S0 = _chain(hopper, summ.S_star, summ.M, summ.exact, idx, initial_state)
+    if hopper.use_fused(x.num_seqs, x.num_v_heads) if fused is None else fused:
+        o, S_final = hopper.fused_forward(x, v, S0, scale, output_final_state)
+    else:
+        h, vnew, S_final = hopper.walk(x, S0, store_final=output_final_state)
+        o = hopper.output(x, h, vnew, scale)
+    final_state = S_final[idx.last] if output_final_state else None
+    o = o.view(summ.v_shape)
+    return (o, final_state, (S0, summ.M, summ.exact)) if with_starts else (o, final_state)
 
 
 def segmented_forward(hopper, q, k, v, g, beta, scale, initial_state, output_final_state, plan: SegmentPlan,
@@ -118,22 +164,11 @@ def segmented_forward(hopper, q, k, v, g, beta, scale, initial_state, output_fin
     for `segmented_backward` (fp32 [rows, Hv, 128, 128] twice: small next to the activations, and the
     backward then skips the summary launch and the chain). fused: the final walk's kernel (None: by the
     dispatch rule)."""
-    idx = _plan_tensors(plan, q.shape[0] * q.shape[1], q.device)
-    # segments start on chunk boundaries of their sequence, so they chunk exactly like the sequences
-    packed = _packed(idx, q, k, v, g, beta)
-    x = hopper.prepare(*packed, idx.cu, chunk_offsets=idx.chunk_offsets)
     # kept for the backward: with the M its mirror scan reads (a final-state gradient exists only when
     # the final state is returned)
-    starts = _segment_starts(hopper, x, initial_state, idx, cp_warmup,
+    summ = forward_summaries(hopper, q, k, v, g, beta, plan, cp_warmup, initial_state is not None,
                              dht_given=output_final_state if with_starts else None)
-    S0 = starts[0]
-    if hopper.use_fused(x.num_seqs, x.num_v_heads) if fused is None else fused:
-        o, S_final = hopper.fused_forward(x, packed[2], S0, scale, output_final_state)
-    else:
-        h, vnew, S_final = hopper.walk(x, S0, store_final=output_final_state)
-        o = hopper.output(x, h, vnew, scale)
-    final_state = S_final[idx.last] if output_final_state else None
-    return (o.view(v.shape), final_state, starts) if with_starts else (o.view(v.shape), final_state)
+    return forward_from_summaries(hopper, summ, scale, initial_state, output_final_state, fused, with_starts)
 
 
 def exit_gradients(hopper, D, M, exact, idx: _PlanTensors, dht):
@@ -152,6 +187,47 @@ def exit_gradients(hopper, D, M, exact, idx: _PlanTensors, dht):
     return hopper.fold_segments(X, D, M, mask, idx.first, idx.last, reverse=True)
 
 
+@dataclass
+class BackwardPrologue:
+    """What the backward computes before it needs the final-state gradient (`backward_prologue`)."""
+
+    idx: _PlanTensors
+    packed: list
+    x: object
+    starts: tuple  # (S_{j,0}, M_j, exact)
+    dos: torch.Tensor
+    D: torch.Tensor
+    shapes: tuple
+    has_h0: bool
+
+
+def backward_prologue(hopper, q, k, v, g, beta, scale, initial_state, plan: SegmentPlan, cp_warmup, do,
+                      dht_given: bool, starts=None) -> BackwardPrologue:
+    """The first half of `segmented_backward`: the WY inverse, the starts (the forward's, or recomputed),
+    and every segment's reverse walk from zero (D_j); nothing here reads the final-state gradient, so
+    inter-card CP runs it while that gradient is on its way."""
+    idx = _plan_tensors(plan, q.shape[0] * q.shape[1], q.device)
+    packed = _packed(idx, q, k, v, g, beta)
+    x = hopper.prepare(*packed, idx.cu, store_a=True, chunk_offsets=idx.chunk_offsets)
+    if starts is None:  # not kept by the forward: recomputed, as the forward computed them
+        S_star, M, exact = _segment_summaries(hopper, x, idx, cp_warmup, initial_state is not None, dht_given)
+        starts = (_chain(hopper, S_star, M, exact, idx, initial_state), M, exact)
+    dos = hopper.scaled_output_gradient(x, do, scale)
+    _, D = hopper.state_gradients(x, dos, None)
+    return BackwardPrologue(idx, packed, x, starts, dos, D, tuple(t.shape for t in (q, k, v, g, beta)),
+                            initial_state is not None)
+
+
+def backward_finish(hopper, pro: BackwardPrologue, dht):
+    """The second half of `segmented_backward`: the mirror scan from `dht`, then the kernel backward of
+    every segment at once; (dq, dk, dv, dg, dbeta, dh0 or None)."""
+    S0, M, exact = pro.starts
+    X = exit_gradients(hopper, pro.D, M, exact, pro.idx, dht)
+    *grads, dS0 = hopper.backward_of(pro.x, *pro.packed, pro.dos, S0, X)
+    grads = [grad.view(shape) for grad, shape in zip(grads, pro.shapes)]
+    return (*grads, dS0[pro.idx.first] if pro.has_h0 else None)
+
+
 def segmented_backward(hopper, q, k, v, g, beta, scale, initial_state, plan: SegmentPlan, cp_warmup, do, dht,
                        starts=None):
     """The gradients of `segmented_forward` (its o and final state): (dq, dk, dv, dg, dbeta, dh0).
@@ -163,15 +239,7 @@ def segmented_backward(hopper, q, k, v, g, beta, scale, initial_state, plan: Seg
     segment's own inputs still see the whole exit gradient, i.e. the gradient of the term the forward
     dropped, which is below e^cp_warmup of the state like the term itself.
     """
-    idx = _plan_tensors(plan, q.shape[0] * q.shape[1], q.device)
-    packed = _packed(idx, q, k, v, g, beta)
-    x = hopper.prepare(*packed, idx.cu, store_a=True, chunk_offsets=idx.chunk_offsets)
-    if starts is None:  # not kept by the forward: recomputed, as the forward computed them
-        starts = _segment_starts(hopper, x, initial_state, idx, cp_warmup, dht_given=dht is not None)
-    S0, M, exact = starts
-    dos = hopper.scaled_output_gradient(x, do, scale)
-    _, D = hopper.state_gradients(x, dos, None)
-    X = exit_gradients(hopper, D, M, exact, idx, dht)
-    *grads, dS0 = hopper.backward_of(x, *packed, dos, S0, X)
-    grads = [grad.view(t.shape) for grad, t in zip(grads, (q, k, v, g, beta))]
-    return (*grads, None if initial_state is None else dS0[idx.first].to(initial_state.dtype))
+    pro = backward_prologue(hopper, q, k, v, g, beta, scale, initial_state, plan, cp_warmup, do, dht is not None,
+                            starts)
+    *grads, dh0 = backward_finish(hopper, pro, dht)
+    return (*grads, None if dh0 is None else dh0.to(initial_state.dtype))

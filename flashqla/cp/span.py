@@ -18,8 +18,8 @@ takes D over the fewest leading chunks that decay that much, with a zero gradien
 backward folds the M the forward sent (0 where it took the warmup), so it differentiates what the
 forward computed. One head that does not decay that much, or a span no longer than its warmup, takes
 the exact segmented path: real models' gates always decay (g = 0 heads occur only in tests), and a
-short span costs little either way (and small packs stay exact). The decision costs one small
-device-to-host copy of per-chunk gate sums per span.
+short span costs little either way (and small packs stay exact). The decision costs a few small
+kernels and one scalar copied to the host per span.
 """
 from __future__ import annotations
 
@@ -41,26 +41,28 @@ def segment_bounds(length: int, segment_chunks: int) -> tuple[int, ...]:
 
 
 def cumulative_chunk_decay(g: torch.Tensor) -> torch.Tensor:
-    """g [1, T, Hv] -> host fp64 [chunks + 1, Hv]: row c is the sum of g over the span's first c chunks
-    (chunks counted from the span start). One device-to-host copy of the per-chunk sums."""
+    """g [1, T, Hv] -> fp64 [chunks + 1, Hv] on g's device: row c is the sum of g over the span's first c
+    chunks (chunks counted from the span start)."""
     T = g.shape[1]
     chunks = math.ceil(T / CHUNK)
     padded = torch.nn.functional.pad(g[0], (0, 0, 0, chunks * CHUNK - T))
-    per_chunk = padded.reshape(chunks, CHUNK, -1).to(reference.work_dtype(g)).sum(1).cpu().double()
-    return torch.cat([per_chunk.new_zeros(1, per_chunk.shape[1]), per_chunk.cumsum(0)])
+    per_chunk = padded.reshape(chunks, CHUNK, -1).sum(1, dtype=torch.float64)
+    return torch.nn.functional.pad(per_chunk.cumsum(0), (0, 0, 1, 0))
 
 
 def warm_chunks(cumulative: torch.Tensor, threshold: float | None, from_end: bool) -> int | None:
     """The fewest trailing (from_end) or leading chunks of a span whose summed g is below `threshold`
     for every head, given `cumulative_chunk_decay`; None (the exact path) when threshold is None or no
     run shorter than the whole span decays that much for every head (a head with g = 0, or a span so
-    short that its warmup would be all of it, which would save nothing but the M walk of a short span)."""
+    short that its warmup would be all of it, which would save nothing but the M walk of a short span).
+    Computed where `cumulative` lives; the answer is one scalar copied to the host."""
     if threshold is None:
         return None
     chunks = cumulative.shape[0] - 1
     sums = cumulative[-1] - cumulative.flip(0) if from_end else cumulative  # sums[w]: last / first w chunks
-    warm = (sums[:chunks] < threshold).all(-1).nonzero()
-    return int(warm[0]) if warm.numel() else None
+    warm = (sums[:chunks] < threshold).all(-1)
+    first = int(torch.where(warm.any(), warm.int().argmax(), -1))
+    return None if first < 0 else first
 
 
 def fold(states: torch.Tensor, mats: torch.Tensor):

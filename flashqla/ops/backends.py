@@ -1,6 +1,7 @@
 """Backend dispatch: each backend answers "can you run this call?" with None or a reason string."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib.util
 import logging
@@ -111,6 +112,22 @@ def forward(name: str, call: Call, scale: float, output_final_state: bool, plan,
     return (*out, kept) if for_backward else tuple(out)
 
 
+def forward_in_two(name: str, call: Call, scale: float, output_final_state: bool, plan, cp_warmup):
+    """The forward of a call whose initial states come later (inter-card CP): runs now what does not read
+    them and returns `finish(initial_state)`, which returns what `forward(..., for_backward=True)` does.
+    On the segmented TileLang path the WY inverse and the summary launch run now; elsewhere everything
+    runs in `finish`."""
+    if name == "tilelang" and plan.is_segmented:
+        hopper, _ = _hopper_kernels()
+        c = call
+        summ = segments.forward_summaries(hopper, c.q, c.k, c.v, c.g, c.beta, plan, cp_warmup, has_h0=True,
+                                          dht_given=output_final_state)
+        return lambda initial_state: segments.forward_from_summaries(hopper, summ, scale, initial_state,
+                                                                     output_final_state, with_starts=True)
+    return lambda initial_state: forward(name, dataclasses.replace(call, initial_state=initial_state), scale,
+                                         output_final_state, plan, cp_warmup, for_backward=True)
+
+
 def summary(name: str, q, k, v, g, beta, with_transition: bool, segments: tuple[int, ...] | None = None):
     """(S*, M or None) of every run of [1, T] started from zero: S_end = M S_start + S* (design §3). The runs
     are the whole sequence, or the segments at offsets `segments` (0, ..., T) as one varlen batch.
@@ -151,3 +168,21 @@ def backward(name: str, call: Call, scale: float, plan, cp_warmup, do, dht, kept
                                                cp_warmup, do, dht, starts=kept)
         return hopper.chunk_gdn_bwd(c.q, c.k, c.v, c.g, c.beta, scale, c.initial_state, c.cu_seqlens, do, dht)
     return torch_backend.backward(c.q, c.k, c.v, c.g, c.beta, scale, c.initial_state, plan, do, dht, cp_warmup)
+
+
+def backward_in_two(name: str, call: Call, scale: float, plan, cp_warmup, do, kept=None):
+    """The backward of a call whose final-state gradient comes later (inter-card CP): runs now what does
+    not read it and returns `finish(dht) -> (dq, dk, dv, dg, dbeta, dh0)`, as `backward`. On the segmented
+    TileLang path the WY inverse and the reverse walks from zero run now; elsewhere everything runs in
+    `finish`."""
+    c = call
+    if name == "tilelang" and plan.is_segmented:
+        hopper, _ = _hopper_kernels()
+        pro = segments.backward_prologue(hopper, c.q, c.k, c.v, c.g, c.beta, scale, c.initial_state, plan,
+                                         cp_warmup, do, dht_given=True, starts=kept)
+
+        def finish(dht):
+            *grads, dh0 = segments.backward_finish(hopper, pro, dht)
+            return (*grads, None if dh0 is None else dh0.to(c.initial_state.dtype))
+        return finish
+    return lambda dht: backward(name, call, scale, plan, cp_warmup, do, dht, kept)
