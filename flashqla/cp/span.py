@@ -47,7 +47,10 @@ def cumulative_chunk_decay(g: torch.Tensor) -> torch.Tensor:
     chunks = math.ceil(T / CHUNK)
     padded = torch.nn.functional.pad(g[0], (0, 0, 0, chunks * CHUNK - T))
     per_chunk = padded.reshape(chunks, CHUNK, -1).sum(1, dtype=torch.float64)
-    return torch.nn.functional.pad(per_chunk.cumsum(0), (0, 0, 1, 0))
+    # the scan along the contiguous dim (heads-major): a scan over the outer dim took 0.36 ms on the
+    # H200 for 2048 chunks x 8 heads, more than the rest of the decision
+    cumulative = per_chunk.t().contiguous().cumsum(-1)
+    return torch.nn.functional.pad(cumulative, (1, 0)).t()
 
 
 def warm_chunks(cumulative: torch.Tensor, threshold: float | None, from_end: bool) -> int | None:
