@@ -1,0 +1,135 @@
+"""The FLA 0.6.0 (fla-core) GDN calls our benchmarks make (benchmarks/bench_cp.py make_fla, bench_bwd.py forward_fn).
+
+Shared by fla_precompile.py (CPU dry run through fla_cpu.fake_h200) and fla_check_gpu.py (on the H200).
+Inputs as in the benchmarks: q, k, v, beta bf16, g float32, K = V = 128, B = 1, default scale, no initial or final
+state, env FLA_FLASH_QLA=0 and FLA's backend dispatch on. Tensors are torch.empty on the CPU.
+"""
+from __future__ import annotations
+
+import itertools
+import types
+
+import torch
+
+D = 128
+# bench_cp.py: one sequence of T tokens, contiguous shards over `world` ranks; Hqk = Hv // 2
+CP_TOKENS = [262144, 1048576]
+CP_HEADS = [8, 16, 32]
+CP_WORLDS = [(2, 0), (2, 1), (1, 0)]    # (world, rank); world 1 = bench_cp's one-GPU baseline (dist.new_group([0]))
+# bench_bwd.py: HEADS x TOKENS x SEQS equal packed sequences; cu_seqlens=cu.long() if more than one sequence else None
+BWD_HEADS = [(16, 32), (8, 16), (4, 8), (2, 4)]
+BWD_TOKENS = [8192, 32768]
+BWD_SEQS = [1, 2, 4, 8]
+
+
+def make_inputs(T, Hqk, Hv, device, requires_grad=True):
+    def e(*s, dt=torch.bfloat16):
+        return torch.empty(*s, dtype=dt, device=device).requires_grad_(requires_grad)
+    return dict(q=e(1, T, Hqk, D), k=e(1, T, Hqk, D), v=e(1, T, Hv, D), g=e(1, T, Hv, dt=torch.float32),
+                beta=e(1, T, Hv))
+
+
+def fill_model_like(x):
+    """On the GPU: values like the benchmarks' (normalised q/k, decaying gates)."""
+    with torch.no_grad():
+        for n in ("q", "k"):
+            x[n].copy_(torch.nn.functional.normalize(torch.randn_like(x[n], dtype=torch.float32), dim=-1))
+        x["v"].normal_()
+        x["beta"].copy_(torch.sigmoid(torch.randn_like(x["beta"], dtype=torch.float32)))
+        x["g"].copy_(-torch.nn.functional.softplus(torch.randn_like(x["g"], dtype=torch.float32) + 1.0))
+
+
+def scenarios():
+    """(label, kind, params). kinds:
+    cp:    bench_cp make_fla on rank `rank` of `world` (its shard of T // world tokens), fwd then fwd+bwd
+    plain: the same whole sequence without CP: chunk_gated_delta_rule(cu_seqlens=[0, T] or None), fwd+bwd
+    bwd:   bench_bwd's FLA call: fwd under no_grad, then fwd+bwd"""
+    out = []
+    for T, Hv in itertools.product(CP_TOKENS, CP_HEADS):
+        for world, rank in CP_WORLDS:
+            out.append((f"cp world={world} rank={rank} Hqk={Hv // 2} Hv={Hv} T={T}", "cp",
+                        dict(Hqk=Hv // 2, Hv=Hv, T=T, world=world, rank=rank)))
+        for cu in (True, False):
+            out.append((f"plain Hqk={Hv // 2} Hv={Hv} T={T} cu_seqlens={'[0,T]' if cu else 'None'}", "plain",
+                        dict(Hqk=Hv // 2, Hv=Hv, T=T, cu=cu)))
+    for (Hqk, Hv), T, n in itertools.product(BWD_HEADS, BWD_TOKENS, BWD_SEQS):
+        out.append((f"bwd Hqk={Hqk} Hv={Hv} T={T} seqs={T // n}x{n}", "bwd", dict(Hqk=Hqk, Hv=Hv, T=T, n=n)))
+    return out
+
+
+def _fwd_bwd(o, fill):
+    # bench_cp: o.float().sum().backward(); bench_bwd: o.backward(randn_like(o)): the same kernels
+    o.backward(torch.randn_like(o) if fill else torch.empty_like(o))
+
+
+def run(kind, p, device, group=None, fill=False):
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    if kind == "cp":
+        from fla.ops.cp import build_cp_context
+        T, world = p["T"], p["world"]
+        cu = torch.tensor([0, T], dtype=torch.int32, device=device)
+        ctx = build_cp_context(cu.long(), group=group, cu_seqlens_cpu=cu.long().cpu())
+        x = make_inputs(T // world, p["Hqk"], p["Hv"], device)
+        if fill:
+            fill_model_like(x)
+        chunk_gated_delta_rule(**x, cp_context=ctx)          # bench_cp "fwd": grad enabled, no backward
+        o, _ = chunk_gated_delta_rule(**x, cp_context=ctx)
+        _fwd_bwd(o, fill)
+        return
+    if kind == "plain":
+        T = p["T"]
+        x = make_inputs(T, p["Hqk"], p["Hv"], device)
+        if fill:
+            fill_model_like(x)
+        cu = torch.tensor([0, T], device=device) if p["cu"] else None
+        o, _ = chunk_gated_delta_rule(**x, cu_seqlens=cu)
+        _fwd_bwd(o, fill)
+        return
+    if kind == "bwd":
+        T, n = p["T"], p["n"]
+        x = make_inputs(T, p["Hqk"], p["Hv"], device, requires_grad=False)
+        if fill:
+            fill_model_like(x)
+        cu = torch.tensor([0] + list(itertools.accumulate([T // n] * n)), device=device).to(torch.int32)
+        cu = cu.long() if cu.numel() > 2 else None
+        leaves = {k: t.detach().requires_grad_(True) for k, t in x.items()}
+        with torch.no_grad():
+            chunk_gated_delta_rule(**leaves, cu_seqlens=cu)
+        o, _ = chunk_gated_delta_rule(**leaves, cu_seqlens=cu)
+        _fwd_bwd(o, fill)
+        return
+    raise ValueError(kind)
+
+
+class FakeDist:
+    """torch.distributed for one pretend rank of `world` (CPU dry run, or one GPU standing in for each rank):
+    rank/size queries; all_gather_into_tensor fills every slot with this rank's input; all_reduce is a no-op."""
+
+    def __init__(self, world, rank):
+        self.world, self.rank = world, rank
+        self.group = types.SimpleNamespace(name=f"fake-{world}-{rank}")
+
+    def __enter__(self):
+        import torch.distributed as dist
+        names = ("get_world_size", "get_rank", "all_gather_into_tensor", "all_reduce", "is_initialized")
+        self.saved = {n: getattr(dist, n) for n in names}
+        dist.get_world_size = lambda group=None: self.world
+        dist.get_rank = lambda group=None: self.rank
+        dist.is_initialized = lambda: True
+
+        def all_gather_into_tensor(out, inp, group=None, async_op=False):
+            if out.numel() < (1 << 26):
+                out.view(self.world, -1).copy_(inp.reshape(1, -1).expand(self.world, -1))
+            return None
+
+        def all_reduce(t, op=None, group=None, async_op=False):
+            return None
+        dist.all_gather_into_tensor = all_gather_into_tensor
+        dist.all_reduce = all_reduce
+        return self
+
+    def __exit__(self, *exc):
+        import torch.distributed as dist
+        for n, f in self.saved.items():
+            setattr(dist, n, f)
