@@ -204,8 +204,8 @@ def _cp_work_order(rank, world):
         fn = getattr(owner, name)
         patches.setattr(owner, name, lambda *a, **kw: events.append(name) or fn(*a, **kw))
 
-    for name in ("forward_summaries", "forward_from_summaries", "_segment_summaries", "backward_prologue",
-                 "backward_finish"):
+    for name in ("forward_summaries", "_segment_summaries", "forward_chain", "forward_walk", "backward_prologue",
+                 "entering_gradient", "backward_finish"):
         recorded(segments, name)
     recorded(inter._Exchange, "wait")
     args, cu = call([640], Hqk=1, Hv=2, with_h0=False, seed=8)
@@ -217,22 +217,25 @@ def _cp_work_order(rank, world):
     events.clear()
     o.float().sum().backward()
     patches.undo()
-    # rank 0 sends the state and receives the exit gradient; rank 1 the other way round
-    expected_forward = ["forward_summaries", "_segment_summaries", "forward_from_summaries", "wait"]
+    # rank 0 sends the state (its own chain's, before its walk) and receives the exit gradient; rank 1 sends
+    # the gradient of its entering state (from its own backward prologue) and receives the state
+    expected_forward = ["forward_summaries", "_segment_summaries", "forward_chain", "forward_walk", "wait"]
     expected_backward = ["backward_prologue", "wait", "backward_finish"]
     if rank == 1:
-        expected_forward = ["forward_summaries", "_segment_summaries", "wait", "forward_from_summaries"]
-        expected_backward = ["backward_prologue", "backward_finish", "wait"]
+        expected_forward = ["forward_summaries", "_segment_summaries", "wait", "forward_chain", "forward_walk"]
+        expected_backward = ["backward_prologue", "entering_gradient", "backward_finish", "wait"]
     assert forward_events == expected_forward, (rank, forward_events)
     assert events == expected_backward, (rank, events)  # no _segment_summaries: the forward kept the starts
 
 
 @pytest.mark.multiprocess
 def test_inter_card_cp_overlaps_the_exchange_and_reuses_the_forward_starts():
-    """One 640-token sequence over two ranks, segments of 2 chunks. Forward: the rank that receives the state
-    runs its WY inverse and summaries before it waits for the exchange, and only the chain and walk after.
-    Backward: the rank that receives the exit gradient runs its prologue (WY inverse, reverse walks) before
-    the wait; neither rank's backward recomputes the segment summaries (the forward kept its starts)."""
+    """One 640-token sequence over two ranks, segments of 2 chunks. Forward: the rank that sends the state
+    takes it from its own summaries and chain, and walks while the exchange is in flight; the rank that
+    receives it runs its WY inverse and summaries before it waits, and only the chain and walk after.
+    Backward: the gradient sent back comes from the receiving rank's own prologue; the rank that receives
+    the exit gradient runs its prologue (WY inverse, reverse walks) before the wait; neither rank's
+    backward recomputes the segment summaries (the forward kept its starts)."""
     from multiprocess import run_on_ranks
 
     run_on_ranks(2, _cp_work_order)
@@ -301,3 +304,32 @@ def test_plan_chunk_offsets_are_the_kernels_own():
     plan = plan_segments(tuple(random_cu_seqlens(lengths)[:-1].tolist()), lengths, 2)
     idx = _plan_tensors(plan, sum(lengths), torch.device("cpu"))
     assert torch.equal(idx.chunk_offsets, chunk_offsets_of(idx.cu))
+
+
+@pytest.mark.parametrize("cp_warmup", [None, -10.0])
+def test_passing_state_and_gradient_equal_the_whole_calls(hopper, monkeypatch, cp_warmup):
+    """Inter-card CP's own-prologue hand-offs on the segmented kernel path: the state a call passes on
+    (`forward_passing_state`, before the walk) is the final state of its whole forward, and the gradient
+    of the entering state (`backward_passing_gradient`, before the kernel backward) is the whole
+    backward's dh0 with no final-state gradient; a g = 0 head (exact chain) and decaying heads (warmup)."""
+    from flashqla.ops import backends, torch_backend
+
+    monkeypatch.setattr(backends, "tilelang_unsupported_reason", lambda call_: None)
+    args, cu = call([64 * 7 + 5], Hqk=1, Hv=3, seed=9)
+    args["g"][..., 0] = 0.0
+    plan = torch_backend.make_plan(1, args["q"].shape[1], cu.tolist(), 2)  # 4 segments
+    scale = 128 ** -0.5
+    fresh = backends.Call(*(args[n] for n in NAMES), None, cu)
+    S_end, walk = backends.forward_passing_state("tilelang", fresh, scale, plan, cp_warmup)
+    o_split, final_split, kept = walk()
+    o, final = backends.forward("tilelang", fresh, scale, True, plan, cp_warmup)
+    assert rel_err(S_end, final[0]) <= 1e-5 and torch.equal(final_split, final) and torch.equal(o_split, o)
+
+    entering = backends.Call(*(args[n] for n in NAMES), args["initial_state"], cu)
+    _, _, kept = backends.forward("tilelang", entering, scale, False, plan, cp_warmup, for_backward=True)
+    do = torch.randn(args["v"].shape, generator=torch.Generator().manual_seed(10)).bfloat16()
+    D, finish = backends.backward_passing_gradient("tilelang", entering, scale, plan, cp_warmup, do, kept, False)
+    *grads, dh0 = backends.backward("tilelang", entering, scale, plan, cp_warmup, do, None, kept)
+    *grads_split, dh0_split = finish(None)
+    assert rel_err(D, dh0[0]) <= 1e-5, rel_err(D, dh0[0])
+    assert all(torch.equal(a, b) for a, b in zip(grads_split + [dh0_split], grads + [dh0]))

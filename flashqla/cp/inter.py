@@ -6,17 +6,21 @@ p). One all-gather shares (S*, M); each rank folds the chain of the parts before
 
     S_enter[p] = S*_{p-1} + M_{p-1} S_enter[p-1]     (fp32, or fp64 for fp64 inputs)
 
-and runs the ordinary local op with S_enter as the initial state of the part's first sequence. The
-summaries come from span.py: the span cut into segments summarised in parallel and folded, or, when
-every head's gates decay by more than e^cp_warmup over the span, S* of its last few chunks and M = 0.
-On NCCL the all-gather is started asynchronously and the local work that does not need S_enter runs
+and runs the ordinary local op with S_enter as the initial state of the part's first sequence. A
+sequence that started in p is summarised by the local call that runs it, on the segmented kernel path:
+its own segment summaries and chain give S*_p before its walk (backends.forward_passing_state; exact,
+and no work beyond that call's own). Otherwise (a sequence spanning the part, the torch backend, a call
+too short to segment) the summaries come from span.py: the span cut into segments summarised in
+parallel and folded, or, when every head's gates decay by more than e^cp_warmup over the span, S* of its
+last few chunks and M = 0. On NCCL the all-gather is started asynchronously and the local work that does not need S_enter runs
 while it is in flight: every sequence that starts on this rank, and of a sequence entering from the part
 before, its WY inverse and segment summaries (backends.forward_in_two); only the segment chain and the
 walk wait for the state. The forward keeps each local call's segment starts for the backward.
 
 Backward mirrors it: for its first sequence each part computes D_p, the gradient of the state entering
-the part when the gradient leaving the part is zero (span.py: segments' reverse walks and a fold, or
-the first few chunks under the same warmup rule), and M'_p (the transition product of that sequence
+the part when the gradient leaving the part is zero (on the segmented kernel path from the local
+backward's own prologue, backends.backward_passing_gradient; else span.py: segments' reverse walks and a
+fold, or the first few chunks under the same warmup rule), and M'_p (the transition product of that sequence
 inside the part, 0 if it ends there or the forward's warmup dropped it); one all-gather; then
 X_p = D_{p+1} + M'_{p+1}^T X_{p+1}
 is the gradient of the state leaving part p, fed to the local backward as the last sequence's dht. While
@@ -119,7 +123,8 @@ class _LocalCall:
     start: int
     end: int
     bounds: tuple[int, ...]  # its sequences' offsets, from 0
-    entering: int | None
+    slot: int  # its piece's position in cp.pieces (the rows of this rank's summaries)
+    entering: int | None  # part indices, in the global chain
     leaving: int | None
     initial_state: torch.Tensor | None = None
     kept: object = None  # what the forward left for the backward (backends.forward, for_backward)
@@ -136,17 +141,18 @@ def _local_calls(cp: CPContext) -> list[_LocalCall]:
     """The forward's local calls, in token order: per piece, the sequence entering it (if any), then the
     sequences that start in it."""
     calls = []
-    for piece in cp.pieces:
+    for slot, piece in enumerate(cp.pieces):
         start, end = piece.local_start, piece.local_start + piece.length
         leaving = piece.index if piece.last_seq_continues else None
         if piece.first_seq_continues:
             n = cp.first_sequence_of(piece)
             s, e = _sequence_span(cp, n)
-            calls.append(_LocalCall(s, e, (0, e - s), piece.index, leaving if cp.last_sequence_of(piece) == n else None))
+            spanning = cp.last_sequence_of(piece) == n
+            calls.append(_LocalCall(s, e, (0, e - s), slot, piece.index, leaving if spanning else None))
             start = e
         if start < end:
             bounds = tuple(b - start for b in cp.local_bounds if start <= b <= end)
-            calls.append(_LocalCall(start, end, bounds, None, leaving))
+            calls.append(_LocalCall(start, end, bounds, slot, None, leaving))
     return calls
 
 
@@ -162,22 +168,34 @@ class InterCardCPFunction(torch.autograd.Function):
         dtype = reference.work_dtype(q)
         S_star = q.new_zeros((len(cp.pieces), Hv, K, V), dtype=dtype)
         M = q.new_zeros((len(cp.pieces), Hv, K, K), dtype=dtype)
-        for i, piece in enumerate(cp.pieces):
-            if piece.last_seq_continues:
-                s, e = _sequence_span(cp, cp.last_sequence_of(piece))
-                spanning = cp.first_sequence_of(piece) == cp.last_sequence_of(piece) and piece.first_seq_continues
-                S_star[i], M_piece = span.span_summary(backend, *[_span(t, s, e) for t in (q, k, v, g, beta)],
-                                                       spanning, _segment_chunks(plan), cp_warmup)
-                if M_piece is not None:  # None: not spanning, or the warmup dropped it
-                    M[i] = M_piece
+        calls, outputs, walks = _local_calls(cp), {}, {}
+        for call in calls:
+            if call.leaving is None:
+                continue
+            # the state this call's last sequence passes on: from the call's own summaries and chain where
+            # the kernels give it before the walk (a sequence that started in this part), else the span
+            # summary of that sequence (a sequence spanning the part, or off the segmented kernel path)
+            split = None if call.entering is not None else backends.forward_passing_state(
+                backend, call.op_call(q, k, v, g, beta), scale, _range_plan(plan, call.bounds), cp_warmup)
+            if split is not None:
+                S_star[call.slot], walks[call.start] = split
+                continue
+            s, e = call.start + call.bounds[-2], call.end
+            S_star[call.slot], M_piece = span.span_summary(backend, *[_span(t, s, e) for t in (q, k, v, g, beta)],
+                                                              call.entering is not None, _segment_chunks(plan),
+                                                              cp_warmup)
+            if M_piece is not None:  # None: not spanning, or the warmup dropped it
+                M[call.slot] = M_piece
         exchange = _Exchange(cp, S_star, M)
         # while the summaries travel: every sequence that starts on this rank (zero initial state), and of
         # each sequence entering from the part before, all that does not read its state (backends.forward_in_two)
-        calls, outputs, waiting = _local_calls(cp), {}, []
+        waiting = []
         for call in calls:
             plan_of_call = _range_plan(plan, call.bounds)
             op_call = call.op_call(q, k, v, g, beta)
-            if call.entering is None:
+            if call.start in walks:
+                outputs[call.start], _, call.kept = walks[call.start]()
+            elif call.entering is None:
                 outputs[call.start], _, call.kept = backends.forward(backend, op_call, scale, call.leaving is not None,
                                                                      plan_of_call, cp_warmup, for_backward=True)
             else:
@@ -201,16 +219,21 @@ class InterCardCPFunction(torch.autograd.Function):
         ctx.calls = None  # the kept starts are freed with the backward
         do = do.contiguous()
         Hv, K, V = v.shape[2], q.shape[3], v.shape[3]
-        dtype = reference.work_dtype(q)
-        D = torch.zeros((len(cp.pieces), Hv, K, V), dtype=dtype, device=q.device)
-        for i, piece in enumerate(cp.pieces):
-            if piece.first_seq_continues:
-                n = cp.first_sequence_of(piece)
-                s, e = _sequence_span(cp, n)
-                args = [_span(t, s, e) for t in (q, k, v, g, beta)]
-                # D: gradient of the entering state with a zero gradient leaving the part (reverse walks
-                # alone; the full local backward below gives the other gradients)
-                D[i] = span.span_entering_gradient(backend, *args, scale, do[:, s:e], _segment_chunks(plan), warmup)
+        D = torch.zeros((len(cp.pieces), Hv, K, V), dtype=reference.work_dtype(q), device=q.device)
+        finishes = {}
+        for call in calls:
+            if call.entering is None:
+                continue
+            # D: gradient of the entering state with a zero gradient leaving the part; from the call's own
+            # backward prologue where the kernels give it (segmented), else from the span's reverse walks
+            args = (backend, call.op_call(q, k, v, g, beta), scale, _range_plan(plan, call.bounds), warmup,
+                    call.inputs(do)[0], call.kept)
+            split = backends.backward_passing_gradient(*args, call.leaving is not None)
+            if split is not None:
+                D[call.slot], finishes[call.start] = split
+            else:
+                D[call.slot] = span.span_entering_gradient(backend, *call.inputs(q, k, v, g, beta), scale,
+                                                               call.inputs(do)[0], _segment_chunks(plan), warmup)
         # M'_p is nonzero only where the first sequence also leaves the part: the forward's M
         exchange = _Exchange(cp, D, M_spanning)
         # while the D travel: the backward of every call whose last sequence stays in this part, and of the
@@ -219,10 +242,11 @@ class InterCardCPFunction(torch.autograd.Function):
         for call in calls:
             args = (backend, call.op_call(q, k, v, g, beta), scale, _range_plan(plan, call.bounds), warmup,
                     call.inputs(do)[0])
+            finish = finishes.get(call.start)
             if call.leaving is None:
-                grads[call.start] = backends.backward(*args, None, call.kept)
+                grads[call.start] = finish(None) if finish else backends.backward(*args, None, call.kept)
             else:
-                waiting.append((call, backends.backward_in_two(*args, call.kept)))
+                waiting.append((call, finish or backends.backward_in_two(*args, call.kept)))
         dD, dM = exchange.wait()
         X = _fold_backward(cp, dD, dM)
         for call, finish in waiting:

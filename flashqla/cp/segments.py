@@ -80,26 +80,30 @@ def _into_next(idx: _PlanTensors, exact, into_final: bool):
     return exact_next
 
 
-def _summaries_needed(idx: _PlanTensors, exact, has_h0: bool, dht_given: bool | None):
+def _summaries_needed(idx: _PlanTensors, exact, has_h0: bool, dht_given: bool | None, leaving: bool = False):
     """active [2, rows, Hv] for hopper.summaries: S*_j where segment j + 1 starts from it; M_j where the
     forward chain multiplies it by a state that can be nonzero (exact_{j+1}, and j not a sequence's first
     segment unless there is an initial state), and, for the backward (dht_given not None), where the
     mirror scan multiplies M_j^T by a gradient (`exit_gradients`: f_j = exact_{j+1}, or 1 into a
-    given final-state gradient)."""
+    given final-state gradient). leaving: also S* of the last segment of the last sequence, the state it
+    passes on (`leaving_state`)."""
     M_forward = _into_next(idx, exact, False) & (idx.has_prev[:, None] | has_h0)
     active = [idx.has_next[:, None].expand_as(exact), M_forward]
     if dht_given is not None:
         active[1] = M_forward | (idx.has_prev[:, None] & _into_next(idx, exact, dht_given))
-    return torch.stack(active)
+    active = torch.stack(active)
+    if leaving:
+        active[0, idx.last[-1]] = True
+    return active
 
 
-def _segment_summaries(hopper, x, idx: _PlanTensors, cp_warmup, has_h0: bool, dht_given=None):
+def _segment_summaries(hopper, x, idx: _PlanTensors, cp_warmup, has_h0: bool, dht_given=None, leaving=False):
     """(S*_j, M_j, exact mask [rows, Hv]) of every segment from zero: step 1 above (no initial state
     needed, only whether one will come), fp32."""
     exact = idx.has_prev[:, None].expand(-1, x.num_v_heads).clone()
     if cp_warmup is not None:
         exact[1:] &= _segment_log_decay(x.gcum, idx)[:-1] >= cp_warmup  # row j reads the decay of row j-1
-    active = _summaries_needed(idx, exact, has_h0, dht_given)
+    active = _summaries_needed(idx, exact, has_h0, dht_given, leaving)
     S_star, M = hopper.summaries(x, with_transition=True, active=active)
     return S_star, M, exact
 
@@ -131,22 +135,35 @@ class ForwardSummaries:
 
 
 def forward_summaries(hopper, q, k, v, g, beta, plan: SegmentPlan, cp_warmup, has_h0: bool,
-                      dht_given: bool | None = None) -> ForwardSummaries:
+                      dht_given: bool | None = None, leaving: bool = False) -> ForwardSummaries:
     """The first half of `segmented_forward`: everything that does not read the initial states (the
     WY inverse and the summary launch), so inter-card CP runs it while the states are on their way.
-    has_h0: an initial state will be given; dht_given: as `_summaries_needed` (None: no backward)."""
+    has_h0: an initial state will be given; dht_given, leaving: as `_summaries_needed` (dht_given None:
+    no backward)."""
     idx = _plan_tensors(plan, q.shape[0] * q.shape[1], q.device)
     # segments start on chunk boundaries of their sequence, so they chunk exactly like the sequences
     packed = _packed(idx, q, k, v, g, beta)
     x = hopper.prepare(*packed, idx.cu, chunk_offsets=idx.chunk_offsets)
-    return ForwardSummaries(idx, packed, x, *_segment_summaries(hopper, x, idx, cp_warmup, has_h0, dht_given), v.shape)
+    summaries = _segment_summaries(hopper, x, idx, cp_warmup, has_h0, dht_given, leaving)
+    return ForwardSummaries(idx, packed, x, *summaries, v.shape)
 
 
-def forward_from_summaries(hopper, summ: ForwardSummaries, scale, initial_state, output_final_state, fused=None,
-                           with_starts=False):
-    """The second half of `segmented_forward`: the chain from the initial states, then the walk."""
+def forward_chain(hopper, summ: ForwardSummaries, initial_state):
+    """S_{j,0} of every segment from the sequences' initial states (step 2 above)."""
+    return _chain(hopper, summ.S_star, summ.M, summ.exact, summ.idx, initial_state)
+
+
+def leaving_state(summ: ForwardSummaries, S0):
+    """The final state of the call's last sequence before any walk, [Hv, K, V] fp32: S*_last + M_last
+    S_{last,0} (the summaries with `leaving`; M_last is there whenever the last segment has a previous
+    one, i.e. whenever S_{last,0} can be nonzero, since the summaries were asked with dht_given)."""
+    last = summ.idx.last[-1]
+    return summ.S_star[last] + summ.M[last] @ S0[last]
+
+
+def forward_walk(hopper, summ: ForwardSummaries, S0, scale, output_final_state, fused=None, with_starts=False):
+    """Step 3 above from the segments' starts S0: (o, final state[, kept starts])."""
     idx, x, v = summ.idx, summ.x, summ.packed[2]
-    S0 = _chain(hopper, summ.S_star, summ.M, summ.exact, idx, initial_state)
     if hopper.use_fused(x.num_seqs, x.num_v_heads) if fused is None else fused:
         o, S_final = hopper.fused_forward(x, v, S0, scale, output_final_state)
     else:
@@ -155,6 +172,13 @@ def forward_from_summaries(hopper, summ: ForwardSummaries, scale, initial_state,
     final_state = S_final[idx.last] if output_final_state else None
     o = o.view(summ.v_shape)
     return (o, final_state, (S0, summ.M, summ.exact)) if with_starts else (o, final_state)
+
+
+def forward_from_summaries(hopper, summ: ForwardSummaries, scale, initial_state, output_final_state, fused=None,
+                           with_starts=False):
+    """The second half of `segmented_forward`: the chain from the initial states, then the walk."""
+    S0 = forward_chain(hopper, summ, initial_state)
+    return forward_walk(hopper, summ, S0, scale, output_final_state, fused, with_starts)
 
 
 def segmented_forward(hopper, q, k, v, g, beta, scale, initial_state, output_final_state, plan: SegmentPlan,
@@ -226,6 +250,18 @@ def backward_finish(hopper, pro: BackwardPrologue, dht):
     *grads, dS0 = hopper.backward_of(pro.x, *pro.packed, pro.dos, S0, X)
     grads = [grad.view(shape) for grad, shape in zip(grads, pro.shapes)]
     return (*grads, dS0[pro.idx.first] if pro.has_h0 else None)
+
+
+def entering_gradient(hopper, pro: BackwardPrologue):
+    """The gradient of the first sequence's initial state from the call's outputs alone (a zero gradient
+    leaving its last sequence), [Hv, K, V] fp32, from the prologue: the mirror scan with no dht gives
+    X_first, and S_{first+1,0} = S*_first + [exact_{first+1}] M_first h0 gives
+    dh0 = D_first + [exact_{first+1}] M_first^T X_first (D_first alone for a one-segment sequence)."""
+    S0, M, exact = pro.starts
+    X = exit_gradients(hopper, pro.D, M, exact, pro.idx, None)
+    first = pro.idx.first[0]
+    into_next = _into_next(pro.idx, exact, False)[first].to(X.dtype)  # [Hv]
+    return pro.D[first] + into_next[:, None, None] * (M[first].transpose(-1, -2) @ X[first])
 
 
 def segmented_backward(hopper, q, k, v, g, beta, scale, initial_state, plan: SegmentPlan, cp_warmup, do, dht,

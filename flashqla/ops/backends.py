@@ -128,6 +128,24 @@ def forward_in_two(name: str, call: Call, scale: float, output_final_state: bool
                                          output_final_state, plan, cp_warmup, for_backward=True)
 
 
+def forward_passing_state(name: str, call: Call, scale: float, plan, cp_warmup):
+    """The forward of a call whose last sequence goes on into another rank's part (inter-card CP), with that
+    sequence's final state computed before the walk: (S_end [Hv, K, V] fp32, `finish()`, which returns
+    what `forward(..., output_final_state=True, for_backward=True)` does), or None where the state only
+    comes out of the whole forward (not the segmented TileLang path). S_end comes from the call's own
+    segment summaries and chain (`segments.leaving_state`): exact, and the WY inverse and summary launch
+    it needs are the forward's own."""
+    if name != "tilelang" or not plan.is_segmented:
+        return None
+    hopper, _ = _hopper_kernels()
+    c = call
+    summ = segments.forward_summaries(hopper, c.q, c.k, c.v, c.g, c.beta, plan, cp_warmup,
+                                      has_h0=c.initial_state is not None, dht_given=True, leaving=True)
+    S0 = segments.forward_chain(hopper, summ, c.initial_state)
+    return segments.leaving_state(summ, S0), lambda: segments.forward_walk(hopper, summ, S0, scale, True,
+                                                                           with_starts=True)
+
+
 def summary(name: str, q, k, v, g, beta, with_transition: bool, segments: tuple[int, ...] | None = None):
     """(S*, M or None) of every run of [1, T] started from zero: S_end = M S_start + S* (design §3). The runs
     are the whole sequence, or the segments at offsets `segments` (0, ..., T) as one varlen batch.
@@ -180,9 +198,28 @@ def backward_in_two(name: str, call: Call, scale: float, plan, cp_warmup, do, ke
         hopper, _ = _hopper_kernels()
         pro = segments.backward_prologue(hopper, c.q, c.k, c.v, c.g, c.beta, scale, c.initial_state, plan,
                                          cp_warmup, do, dht_given=True, starts=kept)
-
-        def finish(dht):
-            *grads, dh0 = segments.backward_finish(hopper, pro, dht)
-            return (*grads, None if dh0 is None else dh0.to(c.initial_state.dtype))
-        return finish
+        return _backward_finisher(hopper, pro, c.initial_state)
     return lambda dht: backward(name, call, scale, plan, cp_warmup, do, dht, kept)
+
+
+def _backward_finisher(hopper, pro, initial_state):
+    """finish(dht) -> (dq, dk, dv, dg, dbeta, dh0) of a segmented backward from its prologue."""
+    def finish(dht):
+        *grads, dh0 = segments.backward_finish(hopper, pro, dht)
+        return (*grads, None if dh0 is None else dh0.to(initial_state.dtype))
+    return finish
+
+
+def backward_passing_gradient(name: str, call: Call, scale: float, plan, cp_warmup, do, kept, dht_given: bool):
+    """The backward of a call whose first sequence entered from another rank's part (inter-card CP), with the
+    gradient of that sequence's initial state from this call's outputs alone (a zero gradient leaving the
+    call) computed before the kernel backward: (D [Hv, K, V] fp32, `finish(dht)` as in `backward_in_two`),
+    or None off the segmented TileLang path. D comes from the backward's own prologue (reverse walks and a
+    mirror scan, `segments.entering_gradient`)."""
+    if name != "tilelang" or not plan.is_segmented:
+        return None
+    hopper, _ = _hopper_kernels()
+    c = call
+    pro = segments.backward_prologue(hopper, c.q, c.k, c.v, c.g, c.beta, scale, c.initial_state, plan, cp_warmup,
+                                     do, dht_given=dht_given, starts=kept)
+    return segments.entering_gradient(hopper, pro), _backward_finisher(hopper, pro, c.initial_state)
