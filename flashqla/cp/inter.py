@@ -72,9 +72,11 @@ class _Exchange:
         states = torch.empty((cp.num_parts,) + s_shape[1:], dtype=self.gathered[0].dtype, device=self.gathered[0].device)
         mats = torch.empty((cp.num_parts,) + m_shape[1:], dtype=states.dtype, device=states.device)
         for rank, payload in enumerate(self.gathered):
-            parts = list(cp.parts_of_rank[rank])
-            states[parts] = payload[:n_states].reshape(s_shape)
-            mats[parts] = payload[n_states:].reshape(m_shape)
+            rank_states, rank_mats = payload[:n_states].reshape(s_shape), payload[n_states:].reshape(m_shape)
+            # one part at a time: integer indices, where a list would be copied to the device from pageable
+            # memory, which blocks the host until the stream drains
+            for slot, part in enumerate(cp.parts_of_rank[rank]):
+                states[part], mats[part] = rank_states[slot], rank_mats[slot]
         return states, mats
 
 
