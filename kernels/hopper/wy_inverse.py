@@ -20,17 +20,22 @@ end of a sequence write nothing. Rows past the end are loaded as zero keys, so t
 that exist (A is lower triangular).
 
 Schedule (one warpgroup, 128 threads, per (chunk, v-head)):
-  1. load the K and V tiles (rows beyond the sequence end zeroed), beta, g; cumsum g, store gcum;
-  2. K K^T on tensor cores (fp32 accumulate), L = StrictLower(diag(beta) K K^T) to fp32 shared memory;
-  3. invert the four 16x16 diagonal blocks of I + L by fp32 forward substitution, one column per
+  1. load the K tile (rows beyond the sequence end zeroed); K K^T on tensor cores (fp32 accumulate), its
+     strict lower part and X = I to fp32 shared memory; then beta and g, cumsum g, store gcum, and
+     L = StrictLower(diag(beta) K K^T) by scaling the rows in place;
+  2. invert the four 16x16 diagonal blocks of I + L by fp32 forward substitution, one column per
      thread held in registers (64 threads, no barrier inside the substitution);
-  4. merge 16 -> 32: X21 = -D1^{-1} L21 D0^{-1} for both 32-blocks (fp32, each thread 4 rows of a column);
-  5. merge 32 -> 64: X21 = -P1^{-1} L21 P0^{-1} (fp32, each thread 8 rows of a column);
-  6. scale columns by beta, store Ab; W = diag(gamma) (Ab K) and U = (Gamma o Ab) V on tensor cores,
-     staged as the input dtype through the K and V tiles so the rows that exist are stored 16 bytes at a time.
-Steps 3-5 on CUDA cores in fp32 replaced a barrier per substituted row and TF32 tensor-core merges
-(H200, 2026-11-30: 0.34 -> 0.24 ms at (2, 8) x 32K tokens, 1.25 -> 0.94 ms at (16, 32); the shared
-memory drops to 73 KiB, three CTAs per SM).
+  3. merge 16 -> 32: X21 = -D1^{-1} L21 D0^{-1} for both 32-blocks (fp32, each thread 4 rows of a column);
+  4. merge 32 -> 64: X21 = -P1^{-1} L21 P0^{-1} (fp32, each thread 8 rows of a column); both merges stage
+     L21 X11 in the upper-right block of X (zero in X, zeroed again after use);
+  5. scale columns by beta, store Ab; load the V tile into the bytes X leaves; W = diag(gamma) (Ab K),
+     then U = (Gamma o Ab) V on tensor cores through one fp32 accumulator, each staged as the input dtype
+     through its input tile so the rows that exist are stored 16 bytes at a time.
+Steps 2-4 on CUDA cores in fp32 replaced a barrier per substituted row and TF32 tensor-core merges
+(H200, 2026-11-30: 0.34 -> 0.24 ms at (2, 8) x 32K tokens, 1.25 -> 0.94 ms at (16, 32)). The late V
+load, the in-X staging, one accumulator and beta/g laid out after the big tiles take the CTA from 158
+registers and 73 KiB of shared memory (3 CTAs per SM, Nsight Compute: 18.75% occupancy) to 124 registers
+and 48.5 KiB (4 CTAs per SM).
 """
 import tilelang
 import tilelang.language as T
@@ -75,13 +80,10 @@ def build_wy_inverse(dtype: str):
             KKt = T.alloc_fragment((C, C), "float32")
             L_sh = T.alloc_shared((C, C), "float32")
             X_sh = T.alloc_shared((C, C), "float32")
-            tmp16_sh = T.alloc_shared((2, 16, 16), "float32")
-            tmp32_sh = T.alloc_shared((32, 32), "float32")
             V_sh = T.alloc_shared((C, D), dtype)
             Ab_sh = T.alloc_shared((C, C), dtype)
             GAb_sh = T.alloc_shared((C, C), dtype)
-            WU = T.alloc_fragment((C, D), "float32")
-            WU2 = T.alloc_fragment((C, D), "float32")
+            WU = T.alloc_fragment((C, D), "float32")  # W, then U (one accumulator: 64 registers per thread)
             col = T.alloc_local((16,), "float32")  # step 3: this thread's column of a diagonal block
             acc = T.alloc_local((4,), "float32")
             acc8 = T.alloc_local((8,), "float32")
@@ -94,15 +96,20 @@ def build_wy_inverse(dtype: str):
             last = T.max(n_rows - 1, 0)
 
             # --- loads -----------------------------------------------------------------------------
-            T.async_copy(k[start:start + C, hk, 0:D], K_sh)  # both tiles in flight at once
-            T.async_copy(v[start:start + C, h, 0:D], V_sh)
+            T.async_copy(k[start:start + C, hk, 0:D], K_sh)
             T.ptx_wait_group(0)
             T.sync_threads()
             if n_rows < C:
                 for r, d in T.Parallel(C, D):
                     if r >= n_rows:
                         K_sh[r, d] = T.cast(0, dtype)
-                        V_sh[r, d] = T.cast(0, dtype)
+            # --- L = StrictLower(diag(beta) K K^T) -------------------------------------------------
+            # (beta and g are read after L and X are laid out: their small buffers then do not sit
+            # between the big tiles in shared memory)
+            T.gemm(K_sh, K_sh, KKt, transpose_B=True, clear_accum=True)
+            for r, s in T.Parallel(C, C):
+                L_sh[r, s] = T.if_then_else(r > s, KKt[r, s], 0.0)
+                X_sh[r, s] = T.if_then_else(r == s, 1.0, 0.0)
             for r in T.Parallel(C):
                 beta_sh[r] = T.if_then_else(r < n_rows, beta[start + T.min(r, last), h], 0.0)
                 g_sh[r] = T.if_then_else(r < n_rows, g[start + T.min(r, last), h], 0.0)
@@ -110,12 +117,9 @@ def build_wy_inverse(dtype: str):
             for r in T.Parallel(C):
                 if r < n_rows:
                     gcum[h, start + r] = g_sh[r]
-
-            # --- L = StrictLower(diag(beta) K K^T) -------------------------------------------------
-            T.gemm(K_sh, K_sh, KKt, transpose_B=True, clear_accum=True)
+            T.sync_threads()
             for r, s in T.Parallel(C, C):
-                L_sh[r, s] = T.if_then_else(r > s, beta_sh[r] * KKt[r, s], 0.0)
-                X_sh[r, s] = T.if_then_else(r == s, 1.0, 0.0)
+                L_sh[r, s] = beta_sh[r] * L_sh[r, s]
 
             # --- 16x16 diagonal blocks, one column per thread in registers: x_i = e_i - sum_{j<i} L_ij x_j
             tx = T.get_thread_binding()
@@ -142,15 +146,19 @@ def build_wy_inverse(dtype: str):
                 acc[r] = 0.0
                 for j in T.unroll(16):
                     acc[r] = acc[r] + L_sh[p * 32 + 16 + r0 + r, p * 32 + j] * X_sh[p * 32 + j, p * 32 + c2]
+            # L21 X11 staged in the upper-right 16x16 block of the 32-block (zero in X, restored below)
             for r in T.unroll(4):
-                tmp16_sh[p, r0 + r, c2] = acc[r]
+                X_sh[p * 32 + r0 + r, p * 32 + 16 + c2] = acc[r]
             T.sync_threads()
             for r in T.unroll(4):
                 acc[r] = 0.0
                 for j in T.unroll(16):
-                    acc[r] = acc[r] + X_sh[p * 32 + 16 + r0 + r, p * 32 + 16 + j] * tmp16_sh[p, j, c2]
+                    acc[r] = acc[r] + X_sh[p * 32 + 16 + r0 + r, p * 32 + 16 + j] * X_sh[p * 32 + j, p * 32 + 16 + c2]
             for r in T.unroll(4):
                 X_sh[p * 32 + 16 + r0 + r, p * 32 + c2] = -acc[r]
+            T.sync_threads()
+            for r in T.unroll(4):
+                X_sh[p * 32 + r0 + r, p * 32 + 16 + c2] = 0.0
             T.sync_threads()
 
             # --- merge 32 -> 64: X21 = -X22 (L21 X11) in fp32 on CUDA cores; thread = (8 rows, column)
@@ -160,15 +168,19 @@ def build_wy_inverse(dtype: str):
                 acc8[r] = 0.0
                 for j in T.unroll(32):
                     acc8[r] = acc8[r] + L_sh[32 + rg + r, j] * X_sh[j, c3]
+            # L21 X11 staged in the upper-right quadrant (zero in X, restored below)
             for r in T.unroll(8):
-                tmp32_sh[rg + r, c3] = acc8[r]
+                X_sh[rg + r, 32 + c3] = acc8[r]
             T.sync_threads()
             for r in T.unroll(8):
                 acc8[r] = 0.0
                 for j in T.unroll(32):
-                    acc8[r] = acc8[r] + X_sh[32 + rg + r, 32 + j] * tmp32_sh[j, c3]
+                    acc8[r] = acc8[r] + X_sh[32 + rg + r, 32 + j] * X_sh[j, 32 + c3]
             for r in T.unroll(8):
                 X_sh[32 + rg + r, c3] = -acc8[r]
+            T.sync_threads()
+            for r in T.unroll(8):
+                X_sh[rg + r, 32 + c3] = 0.0
             T.sync_threads()
 
             # --- Ab = X diag(beta) (or A = X for the backward), rows that exist ---------------------
@@ -181,12 +193,26 @@ def build_wy_inverse(dtype: str):
                     Ab[start + r, h, s] = T.cast(X_sh[r, s] * T.if_then_else(store_a != 0, 1.0, beta_sh[s]), dtype)
 
             # --- W = diag(gamma) Ab K  (Gamma_rs gamma_s = gamma_r),  U = (Gamma o Ab) V -------------
-            # staged through the K and V tiles (free after their GEMM) for 16-byte row stores
+            # V is loaded only now, into the space X no longer needs (fewer bytes live at once, more CTAs
+            # per SM), in flight during the W product; both staged through their input tiles for 16-byte
+            # row stores
+            T.sync_threads()  # V takes the bytes of X, which the loop above read
+            T.async_copy(v[start:start + C, h, 0:D], V_sh)
             T.gemm(Ab_sh, K_sh, WU, clear_accum=True)
-            T.gemm(GAb_sh, V_sh, WU2, clear_accum=True)
+            T.sync_threads()  # every warp's K reads done before K is overwritten
             for r, d in T.Parallel(C, D):
                 K_sh[r, d] = T.cast(WU[r, d] * T.exp2(g_sh[r] * LOG2E), dtype)
-                V_sh[r, d] = T.cast(WU2[r, d], dtype)
+            T.ptx_wait_group(0)
+            T.sync_threads()
+            if n_rows < C:
+                for r, d in T.Parallel(C, D):
+                    if r >= n_rows:
+                        V_sh[r, d] = T.cast(0, dtype)
+                T.sync_threads()
+            T.gemm(GAb_sh, V_sh, WU, clear_accum=True)
+            T.sync_threads()
+            for r, d in T.Parallel(C, D):
+                V_sh[r, d] = T.cast(WU[r, d], dtype)
             for r, d in T.Parallel(C, D):
                 if r < n_rows:
                     w[start + r, h, d] = K_sh[r, d]
