@@ -23,9 +23,10 @@ tr2=(python3 -m torch.distributed.run --standalone --nproc-per-node 2)
 CUDA_VISIBLE_DEVICES=1 timeout 120 python3 -m pytest -q -x -rf tests/gpu --ignore=tests/gpu/test_first_call_latency.py \
   -k "not layer_ops" 2>&1 | tee "$OUT/tests.log" | tail -3
 say "GPU tests"
-for args in "--tokens 262144 --heads 2,8 --reference-intra-cp off" "--tokens 262144 --heads 2,8 --cp-warmup -10 --no-zero-head" \
-            "--tokens 65536 --heads 2,4 --layout zigzag --reference-intra-cp off"; do
-  timeout 60 "${tr2[@]}" benchmarks/cp_nccl_parity.py $args 2>&1 | grep "^rank\|Error" | tee -a "$OUT/cp_parity.log"
+# a g = 0 head (exact M path) against the float64 recurrence too: two bf16 runs differ by their own rounding twice
+for args in "--tokens 262144 --heads 2,8 --reference-intra-cp off --float64" "--tokens 262144 --heads 2,8 --cp-warmup -10 --no-zero-head" \
+            "--tokens 65536 --heads 2,4 --layout zigzag --reference-intra-cp off --float64"; do
+  timeout 120 "${tr2[@]}" benchmarks/cp_nccl_parity.py $args 2>&1 | grep "^rank\|Error" | tee -a "$OUT/cp_parity.log"
 done
 say "CP parity"
 timeout 220 "${tr2[@]}" benchmarks/megatron_gdn_layer.py 2>&1 | grep -v "Warning\|warn" | tee "$OUT/megatron_layer.log" \

@@ -23,10 +23,13 @@ def run_two_ranks(script, *args, timeout=300):
     return log
 
 
-@pytest.mark.parametrize("extra", [[], ["--layout", "zigzag", "--cp-warmup", "-10", "--no-zero-head"]])
+@pytest.mark.parametrize("extra", [[], ["--layout", "zigzag", "--cp-warmup", "-10", "--no-zero-head"], ["--float64"]])
 def test_cp_nccl_parity_dry_run_agrees_on_every_rank(extra):
     log = run_two_ranks("cp_nccl_parity.py", "--tokens", "1024", "--heads", "1,2", *extra)
-    assert sorted(line.split()[1] for line in log.splitlines() if line.startswith("rank ")) == ["0/2", "1/2"]
+    lines = [line for line in log.splitlines() if line.startswith("rank ")]
+    assert sorted(line.split()[1] for line in lines) == ["0/2", "1/2"]
+    if "--float64" in extra:  # both runs' o against the truth, printed on every rank
+        assert all("o (CP) vs float64" in line and "o (one GPU) vs float64" in line for line in lines), lines
 
 
 def test_bench_cp_dry_run_times_both_flashqla_modes(tmp_path):
