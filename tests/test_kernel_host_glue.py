@@ -333,3 +333,30 @@ def test_passing_state_and_gradient_equal_the_whole_calls(hopper, monkeypatch, c
     *grads_split, dh0_split = finish(None)
     assert rel_err(D, dh0[0]) <= 1e-5, rel_err(D, dh0[0])
     assert all(torch.equal(a, b) for a, b in zip(grads_split + [dh0_split], grads + [dh0]))
+
+
+def test_backward_releases_the_walk_operands_before_the_chunk_local_kernel(hopper, monkeypatch):
+    """W and U (read only by the two state walks) are no longer held when the chunk-local kernel runs, and
+    the gradients are still the torch backend's."""
+    from flashqla.kernels.hopper import backward, launch
+
+    seen = {}
+    real = launch.compiled_chunk_bwd_local
+
+    def spy(dtype):
+        kernel = real(dtype)
+
+        def run(*args):
+            seen["w_u"] = (x.w, x.u)
+            return kernel(*args)
+        return run
+
+    monkeypatch.setattr(backward, "compiled_chunk_bwd_local", spy)
+    args, cu = call([130, 1, 64], Hqk=1, Hv=2, seed=11)
+    x = launch.prepare(*(args[n] for n in NAMES), cu, store_a=True)
+    do = torch.randn(args["v"].shape, generator=torch.Generator().manual_seed(12)).bfloat16()
+    dos = backward.scaled_output_gradient(x, do, 128 ** -0.5)
+    *grads, _ = backward.backward_of(x, *(args[n] for n in NAMES), dos, args["initial_state"], None)
+    assert seen["w_u"] == (None, None)
+    *ref, _ = hopper.chunk_gdn_bwd(*(args[n] for n in NAMES), 128 ** -0.5, args["initial_state"], cu, do, None)
+    assert all(torch.equal(a, b) for a, b in zip(grads, ref))

@@ -37,19 +37,23 @@ def state_gradients(x: ChunkedCall, dos: torch.Tensor, dht):
 def backward_of(x: ChunkedCall, q, k, v, g, beta, dos, h0, dht):
     """Gradients of the sequences of `x` (prepared with store_a) from dOs, their initial states h0 and the
     gradients dht of their final states (fp32 [N, Hv, 128, 128] or None): (dq, dk, dv, dg, dbeta) shaped
-    and typed like q, k, v, g, beta, and dS0 fp32 [N, Hv, 128, 128]."""
+    and typed like q, k, v, g, beta, and dS0 fp32 [N, Hv, 128, 128]. Releases x's W and U once the two
+    walks have read them (`ChunkedCall.release_walk_operands`), and the per-chunk states before the
+    sums: T x Hv x 512 bytes less held at the chunk-local kernel, and another T x Hv x 1 KB (h and dh) less at the sums."""
     B, T, Hqk, D = q.shape
     Hv = v.shape[2]
     device = q.device
     h, _, _ = walk(x, h0, store_final=False)
     dh, dS0 = state_gradients(x, dos, dht)
+    x.release_walk_operands()  # the chunk-local kernel reads neither W nor U
     dq, dk = (torch.empty(B * T, Hv, D, dtype=torch.float32, device=device) for _ in range(2))
-    dv = torch.empty(B * T, Hv, D, dtype=x.w.dtype, device=device)
+    dv = torch.empty(B * T, Hv, D, dtype=dos.dtype, device=device)
     dg = torch.empty(Hv, B * T, dtype=torch.float32, device=device)
     dbeta = torch.empty(B * T, Hv, dtype=torch.float32, device=device)
     compiled_chunk_bwd_local(x.dtype)(
         x.q, x.k, v.reshape(B * T, Hv, D), dos, x.Ab, x.gcum, beta.reshape(B * T, Hv).float(), h, dh, x.cu,
         x.offsets, dq, dk, dv, dg, dbeta, x.num_seqs.bit_length())
+    del h, dh  # the per-chunk states and their gradients, before the GQA sums allocate
 
     def qk_heads(dx):  # v-head h read k-head h // (Hv / Hqk): sum each group
         return dx.view(B, T, Hqk, Hv // Hqk, D).sum(3)

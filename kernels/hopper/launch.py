@@ -141,7 +141,13 @@ class ChunkedCall:
 
     @property
     def num_v_heads(self) -> int:
-        return self.w.shape[1]
+        return self.gcum.shape[0]
+
+    def release_walk_operands(self) -> None:
+        """Drops W and U (2 x T x Hv x 128 in the input dtype), which only the state walks read, so a
+        caller done with the walks does not hold them through what follows (the backward's chunk-local
+        kernel and its sums)."""
+        self.w = self.u = None
 
 
 def prepare(q, k, v, g, beta, cu_seqlens, store_a: bool = False, chunk_offsets=None) -> ChunkedCall:
