@@ -8,6 +8,7 @@ Megatron's DDP reduces them. Under CP the softmax layers use GatheredKVAttention
 attention refuses CP > 1).
 """
 import dataclasses
+import os
 import sys
 
 import torch
@@ -15,7 +16,7 @@ import torch.distributed as dist
 
 import mcore_harness as h
 from cp_attention import GatheredKVAttention
-from megatron.core import parallel_state
+from megatron.core import dist_checkpointing, parallel_state
 from megatron.core.num_microbatches_calculator import destroy_num_microbatches_calculator
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.dot_product_attention import DotProductAttention
@@ -36,7 +37,8 @@ TINY_HYBRID = (
     "--transformer-impl local --use-cpu-initialization --no-gradient-accumulation-fusion "
     "--no-masked-softmax-fusion --no-bias-swiglu-fusion --no-rope-fusion --no-persist-layer-norm "
     "--attention-dropout 0 --hidden-dropout 0 "  # deterministic: CP 1 and CP 2 runs compare step by step
-    "--mock-data --tokenizer-type NullTokenizer --vocab-size 128 --lr 3e-3 --train-iters 30 --seed 7"
+    "--mock-data --tokenizer-type NullTokenizer --vocab-size 128 --lr 3e-3 --train-iters 30 --seed 7 "
+    "--make-vocab-size-divisible-by 64"  # the padded vocabulary stays 128 at TP 2 (128 x TP by default)
 ).split()
 FLASHQLA = ["--linear-attention-impl", "flashqla", "--flashqla-kernel-backend", "torch"]
 
@@ -106,15 +108,22 @@ def train(model, args, steps: int) -> list[float]:
     return losses
 
 
-def train_tiny_hybrid(cp: int, state=None, steps: int = 6):
-    """Train TINY_HYBRID with flashqla GDN (state-passing CP) from the parameters `state` (or its own
-    init); returns (losses, initial parameters)."""
-    h.init_parallel(cp=cp, seed=7)
-    args = parse_args(*FLASHQLA, "--flashqla-cp-mode", "state_passing", "--context-parallel-size", str(cp))
+def train_tiny_hybrid(cp: int, state=None, steps: int = 6, tp: int = 1, checkpoint=None, save_to=None):
+    """Train TINY_HYBRID with flashqla GDN (state-passing CP) from the parameters `state`, or the dist
+    checkpoint `checkpoint` (any TP), or its own init; `save_to`: also save the initial parameters there as
+    a dist checkpoint. Returns (losses, initial parameters)."""
+    h.init_parallel(tp=tp, cp=cp, seed=7)
+    args = parse_args(*FLASHQLA, "--flashqla-cp-mode", "state_passing", "--context-parallel-size", str(cp),
+                      "--tensor-model-parallel-size", str(tp))
     model = build_model(args)
     if state is not None:
         with torch.no_grad():
             for name, param in model.named_parameters():
                 param.copy_(state[name])
+    if checkpoint is not None:
+        model.load_state_dict(dist_checkpointing.load(model.sharded_state_dict(), str(checkpoint)), strict=False)
+    if save_to is not None:
+        os.makedirs(save_to, exist_ok=True)
+        dist_checkpointing.save(model.sharded_state_dict(), str(save_to))
     initial = {name: param.detach().clone() for name, param in model.named_parameters()}
     return train(model, args, steps), initial

@@ -9,7 +9,9 @@ reference; it issues every collective before comparing, and returns its failures
 raising, so one failed check neither hangs the other rank nor hides the next scenario. Each rank
 writes WORKDIR/SCENARIO.rank<r>.json: the list of failures (empty = passed).
 """
+import functools
 import json
+import re
 import sys
 import traceback
 from pathlib import Path
@@ -199,6 +201,21 @@ def hybrid_gpt_cp2(workdir):
     return checks.failures
 
 
+def _hybrid_gpt_at(workdir, tp: int, cp: int):
+    """The tiny hybrid GPT from the CP 1 run's initial weights (a TP 1 dist checkpoint, resharded on load),
+    trained at TP x CP with state passing, gives the CP 1 losses step by step."""
+    import gpt_harness
+
+    checks = Checks()
+    ref = torch.load(workdir / "hybrid_gpt.pt")
+    losses, _ = gpt_harness.train_tiny_hybrid(cp=cp, tp=tp, checkpoint=workdir / "hybrid_gpt_checkpoint",
+                                              steps=len(ref["losses"]))
+    for step, (got, want) in enumerate(zip(losses, ref["losses"])):
+        checks.true(f"step {step}: loss {got:.7f} at TP {tp} x CP {cp} vs {want:.7f} at CP 1",
+                    abs(got - want) < 1e-5 * abs(want))
+    return checks.failures
+
+
 def batch_slicing(workdir):
     """The launcher's get_batch slices a row over the CP group only: whole at TP 2, Megatron's load-balanced
     halves at CP 2 (megatron-core 0.19 slices over the world group unless it is given the CP group)."""
@@ -224,7 +241,11 @@ if __name__ == "__main__":
     workdir, names = Path(sys.argv[1]), sys.argv[2:]
     for name in names:
         try:
-            failures = SCENARIOS[name](workdir)
+            # hybrid_gpt_tp<T>_cp<C>: the tiny hybrid GPT at that layout against its CP 1 losses
+            layout = re.fullmatch(r"hybrid_gpt_tp(\d+)_cp(\d+)", name)
+            scenario = SCENARIOS[name] if layout is None else functools.partial(
+                _hybrid_gpt_at, tp=int(layout[1]), cp=int(layout[2]))
+            failures = scenario(workdir)
         except Exception:  # recorded for the test that owns the scenario; the next scenario still runs
             failures = [f"rank {dist.get_rank()} raised:\n{traceback.format_exc()}"]
         (workdir / f"{name}.rank{dist.get_rank()}.json").write_text(json.dumps(failures))
