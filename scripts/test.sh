@@ -19,5 +19,5 @@ side=.venv312/megatron-core-0.19.0
 [[ -d $side/megatron ]] || .venv312/bin/python -m pip install -q --no-deps --target "$side" megatron-core==0.19.0 2>&1 \
   | { grep -v "is ignored" || true; }
 PYTHONPATH=$PWD/$side .venv312/bin/python -W ignore -c "$version" 2>/dev/null
-# (the 8-rank layouts run once, on 0.19.2 above, to keep the suite within its time: about a minute each)
+# (the 8-rank layouts run once, on 0.19.2 above, to keep the suite within its time: about a minute)
 PYTHONPATH=$PWD/$side .venv312/bin/python -m pytest -q tests/megatron --deselect tests/megatron/test_eight_ranks.py
