@@ -324,6 +324,14 @@ def test_passing_state_and_gradient_equal_the_whole_calls(hopper, monkeypatch, c
     o_split, final_split, kept = walk()
     o, final = backends.forward("tilelang", fresh, scale, True, plan, cp_warmup)
     assert rel_err(S_end, final[0]) <= 1e-5 and torch.equal(final_split, final) and torch.equal(o_split, o)
+    # with initial states, the last sequence one segment long (its start is its initial state itself)
+    pack, pack_cu = call([300, 100], Hqk=1, Hv=3, seed=13)
+    pack["g"][..., 0] = 0.0
+    pack_plan = torch_backend.make_plan(1, 400, pack_cu.tolist(), 2)
+    with_h0 = backends.Call(*(pack[n] for n in NAMES), pack["initial_state"], pack_cu)
+    S_end, _ = backends.forward_passing_state("tilelang", with_h0, scale, pack_plan, cp_warmup)
+    final = backends.forward("tilelang", with_h0, scale, True, pack_plan, cp_warmup)[1]
+    assert rel_err(S_end, final[-1]) <= 1e-5, rel_err(S_end, final[-1])
 
     entering = backends.Call(*(args[n] for n in NAMES), args["initial_state"], cu)
     _, _, kept = backends.forward("tilelang", entering, scale, False, plan, cp_warmup, for_backward=True)

@@ -12,16 +12,17 @@ its own segment summaries and chain give S*_p before its walk (backends.forward_
 and no work beyond that call's own). Otherwise (a sequence spanning the part, the torch backend, a call
 too short to segment) the summaries come from span.py: the span cut into segments summarised in
 parallel and folded, or, when every head's gates decay by more than e^cp_warmup over the span, S* of its
-last few chunks and M = 0. On NCCL the all-gather is started asynchronously and the local work that does not need S_enter runs
-while it is in flight: every sequence that starts on this rank, and of a sequence entering from the part
-before, its WY inverse and segment summaries (backends.forward_in_two); only the segment chain and the
-walk wait for the state. The forward keeps each local call's segment starts for the backward.
+last few chunks and M = 0. On NCCL the all-gather is started asynchronously and the local work that does
+not need S_enter runs while it is in flight: every sequence that starts on this rank, and of a sequence
+entering from the part before, its WY inverse and segment summaries (backends.forward_in_two); only the
+segment chain and the walk wait for the state. The forward keeps each local call's segment starts for
+the backward.
 
 Backward mirrors it: for its first sequence each part computes D_p, the gradient of the state entering
 the part when the gradient leaving the part is zero (on the segmented kernel path from the local
 backward's own prologue, backends.backward_passing_gradient; else span.py: segments' reverse walks and a
-fold, or the first few chunks under the same warmup rule), and M'_p (the transition product of that sequence
-inside the part, 0 if it ends there or the forward's warmup dropped it); one all-gather; then
+fold, or the first few chunks under the same warmup rule), and M'_p (the transition product of that
+sequence inside the part, 0 if it ends there or the forward's warmup dropped it); one all-gather; then
 X_p = D_{p+1} + M'_{p+1}^T X_{p+1}
 is the gradient of the state leaving part p, fed to the local backward as the last sequence's dht. While
 the D travel, the calls whose last sequence ends in this part run their whole backward, and the others
@@ -184,8 +185,8 @@ class InterCardCPFunction(torch.autograd.Function):
                 continue
             s, e = call.start + call.bounds[-2], call.end
             S_star[call.slot], M_piece = span.span_summary(backend, *[_span(t, s, e) for t in (q, k, v, g, beta)],
-                                                              call.entering is not None, _segment_chunks(plan),
-                                                              cp_warmup)
+                                                           call.entering is not None, _segment_chunks(plan),
+                                                           cp_warmup)
             if M_piece is not None:  # None: not spanning, or the warmup dropped it
                 M[call.slot] = M_piece
         exchange = _Exchange(cp, S_star, M)
@@ -235,7 +236,7 @@ class InterCardCPFunction(torch.autograd.Function):
                 D[call.slot], finishes[call.start] = split
             else:
                 D[call.slot] = span.span_entering_gradient(backend, *call.inputs(q, k, v, g, beta), scale,
-                                                               call.inputs(do)[0], _segment_chunks(plan), warmup)
+                                                           call.inputs(do)[0], _segment_chunks(plan), warmup)
         # M'_p is nonzero only where the first sequence also leaves the part: the forward's M
         exchange = _Exchange(cp, D, M_spanning)
         # while the D travel: the backward of every call whose last sequence stays in this part, and of the

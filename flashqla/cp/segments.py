@@ -92,8 +92,10 @@ def _summaries_needed(idx: _PlanTensors, exact, has_h0: bool, dht_given: bool | 
     if dht_given is not None:
         active[1] = M_forward | (idx.has_prev[:, None] & _into_next(idx, exact, dht_given))
     active = torch.stack(active)
-    if leaving:
-        active[0, idx.last[-1]] = True
+    if leaving:  # S*_last + M_last S_{last,0} of the last sequence (M_last where that start can be nonzero)
+        last = idx.last[-1]
+        active[0, last] = True
+        active[1, last] |= idx.has_prev[last] | has_h0
     return active
 
 
@@ -155,8 +157,8 @@ def forward_chain(hopper, summ: ForwardSummaries, initial_state):
 
 def leaving_state(summ: ForwardSummaries, S0):
     """The final state of the call's last sequence before any walk, [Hv, K, V] fp32: S*_last + M_last
-    S_{last,0} (the summaries with `leaving`; M_last is there whenever the last segment has a previous
-    one, i.e. whenever S_{last,0} can be nonzero, since the summaries were asked with dht_given)."""
+    S_{last,0}, from summaries asked with `leaving` (which computes M_last wherever S_{last,0} can be
+    nonzero)."""
     last = summ.idx.last[-1]
     return summ.S_star[last] + summ.M[last] @ S0[last]
 

@@ -39,7 +39,8 @@ def backward_of(x: ChunkedCall, q, k, v, g, beta, dos, h0, dht):
     gradients dht of their final states (fp32 [N, Hv, 128, 128] or None): (dq, dk, dv, dg, dbeta) shaped
     and typed like q, k, v, g, beta, and dS0 fp32 [N, Hv, 128, 128]. Releases x's W and U once the two
     walks have read them (`ChunkedCall.release_walk_operands`), and the per-chunk states before the
-    sums: T x Hv x 512 bytes less held at the chunk-local kernel, and another T x Hv x 1 KB (h and dh) less at the sums."""
+    sums: T x Hv x 512 bytes less held at the chunk-local kernel, another T x Hv x 1 KB (h and dh) less
+    at the sums."""
     B, T, Hqk, D = q.shape
     Hv = v.shape[2]
     device = q.device
