@@ -1,0 +1,98 @@
+"""Registers, shared memory and CTAs per SM of a TileLang kernel built here for sm_90a (no GPU needed).
+
+    .venv/bin/python scripts/kernel_resources.py wy_inverse build_wy_inverse bfloat16
+    .venv/bin/python scripts/kernel_resources.py path/to/variant.py build_wy_inverse bfloat16
+
+The first argument is a module of flashqla.kernels.hopper or a file holding a variant of one; the rest is
+the builder and its arguments (integers where they look like integers). Prints the registers per thread
+(read from the cubin TileLang wrote), the dynamic shared memory and where each shared buffer starts
+(TileLang's planner lays buffers with disjoint lifetimes over each other), and how many CTAs of it fit
+on one H200 SM by registers and by shared memory: the occupancy Nsight Compute would report, before any
+device time is spent (docs/kernels.md, "Occupancy").
+"""
+from __future__ import annotations
+
+import glob
+import importlib
+import importlib.util
+import os
+import re
+import struct
+import sys
+import tempfile
+
+# H200 (SM90) per-SM limits
+REGISTERS_PER_SM = 65536
+SHARED_PER_SM = 228 * 1024
+SHARED_RESERVED_PER_CTA = 1024
+MAX_WARPS_PER_SM = 64
+
+
+def load_builder(target: str, builder: str):
+    if target.endswith(".py"):
+        spec = importlib.util.spec_from_file_location("flashqla.kernels.hopper._variant", target)
+        module = importlib.util.module_from_spec(spec)
+        module.__package__ = "flashqla.kernels.hopper"  # a copied kernel's relative imports still resolve
+        spec.loader.exec_module(module)
+    else:
+        module = importlib.import_module(f"flashqla.kernels.hopper.{target}")
+    return getattr(module, builder)
+
+
+def cubin_registers(path: str) -> int | None:
+    """Registers per thread of the kernel in a cubin: the EIATTR_REGCOUNT record (attribute 0x2f, format
+    EIFMT_SVAL) of its .nv.info section, what `cuobjdump --dump-resource-usage` prints as REG."""
+    data = open(path, "rb").read()
+    table, entry_size, count, names_index = struct.unpack_from("<Q", data, 0x28)[0], *struct.unpack_from("<HHH", data, 0x3A)
+    sections = [struct.unpack_from("<IIQQQQIIQQ", data, table + i * entry_size) for i in range(count)]
+    names = sections[names_index][4]
+    for name, _, _, _, offset, size, *_ in sections:
+        if data[names + name:data.index(b"\0", names + name)] != b".nv.info":
+            continue
+        at = offset
+        while at < offset + size:
+            fmt, attribute = data[at], data[at + 1]
+            length = struct.unpack_from("<H", data, at + 2)[0] if fmt == 0x04 else 0  # EIFMT_SVAL: sized payload
+            if fmt == 0x04 and attribute == 0x2F:
+                return struct.unpack_from("<II", data, at + 4)[1]
+            at += 4 + length
+    return None
+
+
+def main():
+    if len(sys.argv) < 3:
+        sys.exit(__doc__)
+    target, builder, *raw = sys.argv[1:]
+    args = [int(a) if a.lstrip("-").isdigit() else a for a in raw]
+    with tempfile.TemporaryDirectory() as cache:
+        os.environ["TILELANG_CACHE_DIR"] = cache  # a fresh cache: the cubin found below is this kernel's
+        import tilelang
+
+        from flashqla.kernels.hopper import launch
+
+        prim_func = load_builder(target, builder)(*args)
+        kernel = tilelang.compile(prim_func, target=launch.TARGET, pass_configs=launch._pass_configs())
+        source = kernel.get_kernel_source()
+        threads = [int(x) for x in re.findall(r"__launch_bounds__\((\d+)", source)[:1]] or [0]
+        host = "".join(open(p).read() for p in glob.glob(f"{cache}/**/host_kernel.cu", recursive=True))
+        shared = max([int(x) for x in re.findall(r"\b(\d{3,6})\b", host) if int(x) % 256 == 0] or [0])
+        cubins = glob.glob(f"{cache}/**/*.cubin", recursive=True)
+        registers = cubin_registers(cubins[0]) if cubins else None
+    layout = re.findall(r"void\* (\w+) = \(\(void\*\)\(\(char\*\)buf_dyn_shmem \+ (\d+)\)\)", source)
+    print(f"{target}.{builder}{tuple(args)}: {threads[0]} threads")
+    print(f"  registers per thread: {registers if registers is not None else 'n/a (no cubin record)'}")
+    print(f"  dynamic shared memory: {shared} bytes ({shared / 1024:.2f} KiB)")
+    for name, offset in sorted(layout, key=lambda item: int(item[1])):
+        print(f"    {int(offset):7d}  {name}")
+    limits = {"shared memory": SHARED_PER_SM // (shared + SHARED_RESERVED_PER_CTA) if shared else None,
+              "warps": MAX_WARPS_PER_SM // max(threads[0] // 32, 1) if threads[0] else None}
+    if registers and threads[0]:
+        per_warp = -(-registers * 32 // 256) * 256  # allocated per warp in units of 256 registers
+        limits["registers"] = REGISTERS_PER_SM // (per_warp * threads[0] // 32)
+    known = {k: v for k, v in limits.items() if v is not None}
+    print("  CTAs per SM: " + ", ".join(f"{v} by {k}" for k, v in known.items())
+          + (f" -> {min(known.values())}" if known else ""))
+
+
+if __name__ == "__main__":
+    main()
