@@ -9,9 +9,11 @@ set -uo pipefail
 OUT=${OUT:-/tmp/out}; BUDGET_S=${BUDGET_S:-560}
 mkdir -p "$OUT" /tmp/s /tmp/tlc
 tar xJf .devsite/site.tar.xz -C /tmp/s && tar xJf .devkernels/kernels.tar.xz -C /tmp/tlc || exit 1
-# FlashQLA 0.1.3's kernels built on the CPU machine (benchmarks/peer_cache/), when carried: no JIT on the GPUs
+# the peers' TileLang kernels built on the CPU machine (benchmarks/peer_cache/), when carried in .devpeer
+for cache in .devpeer/*_cache.tar.xz; do
+  [[ -f $cache ]] && tar xJf "$cache" -C /tmp && cp -r "/tmp/$(basename "$cache" .tar.xz)/." /tmp/tlc/
+done
 peer=.devpeer/fqla_cache.tar.xz
-if [[ -f $peer ]]; then tar xJf "$peer" -C /tmp && cp -r /tmp/fqla_cache/. /tmp/tlc/; fi
 export PYTHONPATH=/tmp/s/site:$PWD TILELANG_CACHE_DIR=/tmp/tlc PYTHONUNBUFFERED=1 FLASHQLA_TEST_PREBUILT=/tmp/tlc
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 FLA_FLASH_QLA=0
 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >"$OUT/pip.log" 2>&1 || { cat "$OUT/pip.log"; exit 1; }

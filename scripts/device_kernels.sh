@@ -22,10 +22,13 @@ if [[ -f .devkernels/kernels.tar.xz ]]; then
 else
   export TILELANG_CACHE_DIR=${TILELANG_CACHE_DIR:-$PWD/.tilelang_cache}
 fi
-# FlashQLA 0.1.3's kernels built on the CPU machine (benchmarks/peer_cache/), when carried in .devpeer
-if [[ -f .devpeer/fqla_cache.tar.xz ]]; then
-  tar xJf .devpeer/fqla_cache.tar.xz -C /tmp && cp -r /tmp/fqla_cache/. "$TILELANG_CACHE_DIR"/
-fi
+# the peers' TileLang kernels built on the CPU machine (benchmarks/peer_cache/: FlashQLA 0.1.3's
+# fqla_cache, FLA 0.6.0's fla_cache), when carried in .devpeer
+for peer in .devpeer/*_cache.tar.xz; do
+  [[ -f $peer ]] || continue
+  name=$(basename "$peer" .tar.xz)
+  tar xJf "$peer" -C /tmp && cp -r "/tmp/$name/." "$TILELANG_CACHE_DIR"/
+done
 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >"$OUT/pip.log" 2>&1 || { cat "$OUT/pip.log"; exit 1; }
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv | tee "$OUT/gpu.txt"
 
