@@ -7,11 +7,12 @@ state, env FLA_FLASH_QLA=0 and FLA's backend dispatch on. Tensors are torch.empt
 from __future__ import annotations
 
 import itertools
-import types
 
 import torch
 
-D = 128
+import scenarios as fqla_scenarios
+from scenarios import fill_model_like, make_inputs  # the same inputs as for FlashQLA
+
 # bench_cp.py: one sequence of T tokens, contiguous shards over `world` ranks; Hqk = Hv // 2
 CP_TOKENS = [262144, 1048576]
 CP_HEADS = [8, 16, 32]
@@ -20,23 +21,6 @@ CP_WORLDS = [(2, 0), (2, 1), (1, 0)]    # (world, rank); world 1 = bench_cp's on
 BWD_HEADS = [(16, 32), (8, 16), (4, 8), (2, 4)]
 BWD_TOKENS = [8192, 32768]
 BWD_SEQS = [1, 2, 4, 8]
-
-
-def make_inputs(T, Hqk, Hv, device, requires_grad=True):
-    def e(*s, dt=torch.bfloat16):
-        return torch.empty(*s, dtype=dt, device=device).requires_grad_(requires_grad)
-    return dict(q=e(1, T, Hqk, D), k=e(1, T, Hqk, D), v=e(1, T, Hv, D), g=e(1, T, Hv, dt=torch.float32),
-                beta=e(1, T, Hv))
-
-
-def fill_model_like(x):
-    """On the GPU: values like the benchmarks' (normalised q/k, decaying gates)."""
-    with torch.no_grad():
-        for n in ("q", "k"):
-            x[n].copy_(torch.nn.functional.normalize(torch.randn_like(x[n], dtype=torch.float32), dim=-1))
-        x["v"].normal_()
-        x["beta"].copy_(torch.sigmoid(torch.randn_like(x["beta"], dtype=torch.float32)))
-        x["g"].copy_(-torch.nn.functional.softplus(torch.randn_like(x["g"], dtype=torch.float32) + 1.0))
 
 
 def scenarios():
@@ -102,34 +86,11 @@ def run(kind, p, device, group=None, fill=False):
     raise ValueError(kind)
 
 
-class FakeDist:
-    """torch.distributed for one pretend rank of `world` (CPU dry run, or one GPU standing in for each rank):
-    rank/size queries; all_gather_into_tensor fills every slot with this rank's input; all_reduce is a no-op."""
+class FakeDist(fqla_scenarios.FakeDist):
+    """FlashQLA's FakeDist, and FLA's CP also asks is_initialized and all-reduces (a no-op here)."""
 
-    def __init__(self, world, rank):
-        self.world, self.rank = world, rank
-        self.group = types.SimpleNamespace(name=f"fake-{world}-{rank}")
+    PATCHED = fqla_scenarios.FakeDist.PATCHED + ("all_reduce", "is_initialized")
 
-    def __enter__(self):
-        import torch.distributed as dist
-        names = ("get_world_size", "get_rank", "all_gather_into_tensor", "all_reduce", "is_initialized")
-        self.saved = {n: getattr(dist, n) for n in names}
-        dist.get_world_size = lambda group=None: self.world
-        dist.get_rank = lambda group=None: self.rank
-        dist.is_initialized = lambda: True
-
-        def all_gather_into_tensor(out, inp, group=None, async_op=False):
-            if out.numel() < (1 << 26):
-                out.view(self.world, -1).copy_(inp.reshape(1, -1).expand(self.world, -1))
-            return None
-
-        def all_reduce(t, op=None, group=None, async_op=False):
-            return None
-        dist.all_gather_into_tensor = all_gather_into_tensor
-        dist.all_reduce = all_reduce
-        return self
-
-    def __exit__(self, *exc):
-        import torch.distributed as dist
-        for n, f in self.saved.items():
-            setattr(dist, n, f)
+    def patches(self):
+        return dict(super().patches(), all_reduce=lambda t, op=None, group=None, async_op=False: None,
+                    is_initialized=lambda: True)

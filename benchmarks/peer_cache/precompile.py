@@ -10,11 +10,13 @@
    target {"kind": "cuda", "arch": "sm_90a"} and writes it to TILELANG_CACHE_DIR.
 3. verify: a fresh process repeats the dry run with real factory calls; every kernel must come from the disk
    cache (0 compiles). Writes <cache>/fqla_manifest.json (factory call, cache key, scenarios) and prints a summary.
+The compile and verify steps serve fla_precompile.py too (`Peer`).
 """
 from __future__ import annotations
 
 import argparse
 import concurrent.futures as cf
+import importlib
 import json
 import multiprocessing as mp
 import os
@@ -22,6 +24,8 @@ import re
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
+from typing import Callable
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -64,19 +68,34 @@ def dry_run(mode, only=None, log=print):
     return rec, hooks, failures
 
 
-def _worker_init():
-    import fqla_cpu
-    fqla_cpu.import_flash_qla()
-    global HOOKS
-    HOOKS = fqla_cpu.Hooks().install()
+@dataclass(frozen=True)
+class Peer:
+    """What differs between the peers whose kernels are precompiled (FlashQLA here, FLA in fla_precompile.py)."""
+
+    cpu_module: str  # fqla_cpu / fla_cpu: Hooks, resolve_jit and the importer below
+    importer: str  # its function that imports the peer as on an H200
+    runner: str  # the module whose dry_run(mode, only) runs every scenario (for the fresh verify process)
+    manifest: str  # file written into the cache
+    metadata: Callable[[], dict]  # the manifest's description of the peer
+    order: Callable[[str, dict], object] = lambda sig, call: sig  # compile order of the recorded calls
+
+
+FLASH_QLA = Peer("fqla_cpu", "import_flash_qla", "precompile", "fqla_manifest.json", lambda: dict(flash_qla="0.1.3"),
+                 lambda sig, call: (COST.get(call["name"].split(":")[1], 9), sig))
+
+
+def _worker_init(cpu_module: str, importer: str):
+    global CPU, HOOKS
+    CPU = importlib.import_module(cpu_module)
+    getattr(CPU, importer)()
+    HOOKS = CPU.Hooks().install()
 
 
 def _compile_one(item):
-    import fqla_cpu
     sig, name, args, kwargs = item
     n0, k0 = len(HOOKS.compiles), len(HOOKS.keys)
     t0 = time.time()
-    fqla_cpu.resolve_jit(name)(*args, **kwargs)
+    CPU.resolve_jit(name)(*args, **kwargs)
     keys = HOOKS.keys[k0:]
     return dict(sig=sig, seconds=round(time.time() - t0, 1), compiled=len(HOOKS.compiles) > n0,
                 key=keys[-1] if keys else None)
@@ -86,8 +105,8 @@ COST = {"tilelang_fused_chunk_gdr_bwd": 0, "tilelang_fused_chunk_gdr_fwd": 1, "t
         "tilelang_prepare_h": 3, "tilelang_correct_h0": 4, "tilelang_kkt_solve": 5}
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(peer: Peer = FLASH_QLA, dry_run=dry_run, doc=__doc__):
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--list", action="store_true", help="dry run only: list the distinct kernel configurations")
     ap.add_argument("--no-verify", action="store_true")
@@ -100,23 +119,24 @@ def main():
     t_start = time.time()
 
     if args.verify_only:
-        return verify(cache, args.only)
+        return verify(peer, cache, args.only)
 
     rec, _, failures = dry_run("record", args.only)
-    calls = sorted(rec.calls.items(), key=lambda kv: (COST.get(kv[1]["name"].split(":")[1], 9), kv[0]))
+    calls = sorted(rec.calls.items(), key=lambda kv: peer.order(*kv))
     print(f"\n{len(calls)} distinct kernel configurations from the dry run ({time.time() - t_start:.0f}s):")
     for sig, c in calls:
         print(f"  {sig}   [{len(c['scenarios'])} scenarios]")
     if failures:
         print(f"{len(failures)} scenarios failed in the dry run")
     if args.list:
-        return 0
+        return 1 if failures else 0
 
     items = [(sig, c["name"], c["args"], c["kwargs"]) for sig, c in calls]
     results = {}
     t0 = time.time()
     ctx = mp.get_context("spawn")
-    with cf.ProcessPoolExecutor(max_workers=args.jobs, mp_context=ctx, initializer=_worker_init) as ex:
+    with cf.ProcessPoolExecutor(max_workers=args.jobs, mp_context=ctx, initializer=_worker_init,
+                                initargs=(peer.cpu_module, peer.importer)) as ex:
         futs = {ex.submit(_compile_one, it): it[0] for it in items}
         for i, f in enumerate(cf.as_completed(futs), 1):
             sig = futs[f]
@@ -130,7 +150,7 @@ def main():
     t_compile = time.time() - t0
 
     manifest = dict(
-        flash_qla="0.1.3", target=os.environ.get("TILELANG_DEFAULT_TARGET"), built=time.strftime("%Y-%m-%d %H:%M:%S"),
+        **peer.metadata(), target=os.environ.get("TILELANG_DEFAULT_TARGET"), built=time.strftime("%Y-%m-%d %H:%M:%S"),
         target_str=next((r["key"]["target"] for r in results.values() if r.get("key")), None),
         kernels=[dict(sig=sig, factory=c["name"], key=(results[sig].get("key") or {}).get("key"),
                       kernel=(results[sig].get("key") or {}).get("kernel"),
@@ -138,25 +158,28 @@ def main():
                       seconds=results[sig].get("seconds"), compiled=results[sig].get("compiled"),
                       error=results[sig].get("error"), scenarios=c["scenarios"]) for sig, c in calls],
         dry_run_failures=failures)
-    with open(os.path.join(cache, "fqla_manifest.json"), "w") as f:
+    with open(os.path.join(cache, peer.manifest), "w") as f:
         json.dump(manifest, f, indent=1)
     n_err = sum(1 for r in results.values() if "error" in r)
     print(f"\ncompile phase: {t_compile:.0f}s with {args.jobs} processes, {n_err} errors")
+    rc = 0
     if not args.no_verify:
-        verify(cache, args.only)
+        rc = verify(peer, cache, args.only)
     print(f"total {time.time() - t_start:.0f}s")
-    return 1 if (n_err or failures) else 0
+    return 1 if (n_err or failures or rc) else 0
 
 
-def verify(cache, only=None):
-    """Fresh process: run every scenario with real factory calls; report compiles (should be none)."""
+def verify(peer: Peer, cache, only=None):
+    """Fresh process: every scenario with real factory calls; fails if any kernel compiles (none should)."""
     cmd = [sys.executable, "-c", (
-        "import sys; sys.path.insert(0, %r); import precompile as p; rec, hooks, fails = p.dry_run('load', %r); "
-        "print('VERIFY compiles=%%d lookups=%%d failures=%%d' %% (len(hooks.compiles), len(hooks.keys), len(fails))); "
-        "print('VERIFY compiled:', sorted(set(hooks.compiles)))") % (HERE, only)]
+        "import sys; sys.path.insert(0, %r); import %s as p; rec, hooks, fails = p.dry_run('load', %r); "
+        "print('VERIFY compiles=%%d lookups=%%d distinct_keys=%%d failures=%%d' %% (len(hooks.compiles), "
+        "len(hooks.keys), len({k['key'] for k in hooks.keys}), len(fails))); "
+        "print('VERIFY compiled:', sorted(set(hooks.compiles))); "
+        "sys.exit(1 if hooks.compiles or fails else 0)") % (HERE, peer.runner, only)]
     t0 = time.time()
     out = subprocess.run(cmd, capture_output=True, text=True)
-    lines = [l for l in out.stdout.splitlines() if l.startswith("VERIFY") or "FAILED" in l]
+    lines = [line for line in out.stdout.splitlines() if line.startswith("VERIFY") or "FAILED" in line]
     print(f"\nverify (fresh process, {time.time() - t0:.0f}s):\n" + "\n".join(lines))
     if out.returncode:
         print(out.stderr[-3000:])

@@ -131,23 +131,29 @@ def run_dual(Hqk, Hv, T, world, rank, device, group, fill=False, g_dtype=torch.f
 
 
 class FakeDist:
-    """torch.distributed for one pretend rank of `world` (CPU dry run only): rank/size queries and an
-    all_gather_into_tensor that fills every slot with this rank's input."""
+    """torch.distributed for one pretend rank of `world` (CPU dry run, or one GPU standing in for each rank):
+    rank/size queries and an all_gather_into_tensor that fills every slot with this rank's input."""
+
+    PATCHED = ("get_world_size", "get_rank", "all_gather_into_tensor")
 
     def __init__(self, world, rank):
         self.world, self.rank = world, rank
         self.group = types.SimpleNamespace(name=f"fake-{world}-{rank}")
 
+    def patches(self):
+        """name -> stand-in for every torch.distributed function in PATCHED."""
+        def all_gather_into_tensor(out, inp, group=None, async_op=False):
+            if out.numel() < (1 << 26):
+                out.view(self.world, -1).copy_(inp.reshape(1, -1).expand(self.world, -1))
+            return None
+        return dict(get_world_size=lambda group=None: self.world, get_rank=lambda group=None: self.rank,
+                    all_gather_into_tensor=all_gather_into_tensor)
+
     def __enter__(self):
         import torch.distributed as dist
-        self.saved = {n: getattr(dist, n) for n in ("get_world_size", "get_rank", "all_gather_into_tensor")}
-        dist.get_world_size = lambda group=None: self.world
-        dist.get_rank = lambda group=None: self.rank
-
-        def all_gather_into_tensor(out, inp, group=None, async_op=False):
-            out.copy_(inp.unsqueeze(0).expand_as(out)) if out.numel() < (1 << 26) else None
-            return None
-        dist.all_gather_into_tensor = all_gather_into_tensor
+        self.saved = {n: getattr(dist, n) for n in self.PATCHED}
+        for name, stand_in in self.patches().items():
+            setattr(dist, name, stand_in)
         return self
 
     def __exit__(self, *exc):
