@@ -225,6 +225,7 @@ class BackwardPrologue:
     D: torch.Tensor
     shapes: tuple
     has_h0: bool
+    exits_without_dht: torch.Tensor | None = None  # the mirror scan with no dht, once `entering_gradient` ran it
 
 
 def backward_prologue(hopper, q, k, v, g, beta, scale, initial_state, plan: SegmentPlan, cp_warmup, do,
@@ -248,7 +249,10 @@ def backward_finish(hopper, pro: BackwardPrologue, dht):
     """The second half of `segmented_backward`: the mirror scan from `dht`, then the kernel backward of
     every segment at once; (dq, dk, dv, dg, dbeta, dh0 or None)."""
     S0, M, exact = pro.starts
-    X = exit_gradients(hopper, pro.D, M, exact, pro.idx, dht)
+    if dht is None and pro.exits_without_dht is not None:
+        X = pro.exits_without_dht
+    else:
+        X = exit_gradients(hopper, pro.D, M, exact, pro.idx, dht)
     *grads, dS0 = hopper.backward_of(pro.x, *pro.packed, pro.dos, S0, X)
     grads = [grad.view(shape) for grad, shape in zip(grads, pro.shapes)]
     return (*grads, dS0[pro.idx.first] if pro.has_h0 else None)
@@ -260,7 +264,7 @@ def entering_gradient(hopper, pro: BackwardPrologue):
     X_first, and S_{first+1,0} = S*_first + [exact_{first+1}] M_first h0 gives
     dh0 = D_first + [exact_{first+1}] M_first^T X_first (D_first alone for a one-segment sequence)."""
     S0, M, exact = pro.starts
-    X = exit_gradients(hopper, pro.D, M, exact, pro.idx, None)
+    X = pro.exits_without_dht = exit_gradients(hopper, pro.D, M, exact, pro.idx, None)
     first = pro.idx.first[0]
     into_next = _into_next(pro.idx, exact, False)[first].to(X.dtype)  # [Hv]
     return pro.D[first] + into_next[:, None, None] * (M[first].transpose(-1, -2) @ X[first])
