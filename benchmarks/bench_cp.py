@@ -11,7 +11,7 @@ Gates are model-like, g = -exp(A_log) softplus(x + dt_bias) with A_log = log U(1
 which sends every span down the exact path.
 
     torchrun --nproc-per-node 2 benchmarks/bench_cp.py --tokens 262144,1048576 --heads 8,16,32 --out cp.md
-        [--impls "flashqla exact,flashqla warmup,FLA CP"] [--zero-heads]
+        [--impls "flashqla exact,flashqla warmup,FLA CP"] [--zero-heads] [--layers 4]
 
 Each peer is optional: one that is not installed or fails is reported, not fatal. On CPU (gloo) only
 flashqla runs, which makes a quick dry run of the script.
@@ -48,6 +48,18 @@ def inputs(T, Hqk, Hv, device, zero_heads=False, seed=0):
                 v=randn(1, T, Hv, D).to(dtype), g=g, beta=torch.sigmoid(randn(1, T, Hv)).to(dtype))
 
 
+LAYERS = 1  # --layers: GDN calls per step, each on the previous call's output
+
+
+def stacked(call, x):
+    """LAYERS calls of `call(**inputs) -> o` in sequence, each taking the previous output as its v (a stack
+    of GDN layers as a model runs them: the host issues layer i+1 while the GPU works on layer i)."""
+    v = x["v"]
+    for _ in range(LAYERS):
+        v = call(**dict(x, v=v))
+    return v
+
+
 class Impl:
     """One implementation: `make(cu_global, group, Hv)` returns `step(x, with_backward)` for the local shard."""
 
@@ -61,7 +73,7 @@ def make_flashqla(**options):
         ctx = build_cp_context(cu, group=group)
 
         def step(x, backward):
-            o, _ = flashqla.chunk_gated_delta_rule(**x, cp_context=ctx, **options)
+            o = stacked(lambda **y: flashqla.chunk_gated_delta_rule(**y, cp_context=ctx, **options)[0], x)
             if backward:
                 o.float().sum().backward()
         return step
@@ -71,7 +83,7 @@ def make_flashqla(**options):
 def make_flashqla_local(cu, group, Hv):
     """The same shard as one independent sequence: flashqla's local work without the chain."""
     def step(x, backward):
-        o, _ = flashqla.chunk_gated_delta_rule(**x)
+        o = stacked(lambda **y: flashqla.chunk_gated_delta_rule(**y)[0], x)
         if backward:
             o.float().sum().backward()
     return step
@@ -84,7 +96,7 @@ def make_fla(cu, group, Hv):
     ctx = fla_context(cu.long(), group=group, cu_seqlens_cpu=cu.long().cpu())
 
     def step(x, backward):
-        o, _ = chunk_gated_delta_rule(**x, cp_context=ctx)
+        o = stacked(lambda **y: chunk_gated_delta_rule(**y, cp_context=ctx)[0], x)
         if backward:
             o.float().sum().backward()
     return step
@@ -98,7 +110,7 @@ def make_flash_qla(cu, group, Hv):
                       cu_seqlens_cpu=cu.long().cpu(), is_train=True)
 
     def step(x, backward):
-        o, _ = chunk_gated_delta_rule(**x, cp_context=ctx)
+        o = stacked(lambda **y: chunk_gated_delta_rule(**y, cp_context=ctx)[0], x)
         if backward:
             o.float().sum().backward()
     return step
@@ -151,9 +163,14 @@ def main():
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--out", default="cp_benchmark.md")
     ap.add_argument("--zero-heads", action="store_true", help="a quarter of the heads at g = 0 (no decay)")
+    ap.add_argument("--layers", type=int, default=1,
+                    help="GDN calls per step, each on the previous one's output (per-call costs such as a host "
+                         "sync show between calls, not at a step's start)")
     ap.add_argument("--impls", default=",".join(i.name for i in IMPLS),
                     help="comma-separated subset of: " + ", ".join(i.name for i in IMPLS))
     args = ap.parse_args()
+    global LAYERS
+    LAYERS = args.layers
     chosen = args.impls.split(",")
     unknown = set(chosen) - {i.name for i in IMPLS}
     if unknown:
@@ -196,7 +213,7 @@ def main():
         fmt = lambda v: "n/a" if v is None else f"{v:.2f}"  # noqa: E731
         gates = "a quarter of the heads at g = 0" if args.zero_heads else "every head decaying"
         lines = [f"# Inter-card CP, {world} ranks ({torch.cuda.get_device_name() if cuda else 'cpu'}), "
-                 f"{datetime.date.today()}, gates: {gates}", "",
+                 f"{datetime.date.today()}, gates: {gates}, {LAYERS} GDN call(s) per step", "",
                  "| impl | tokens | Hv | fwd ms | fwd+bwd ms | 1-GPU fwd+bwd ms | scaling eff. | exposed exchange fwd / fwd+bwd ms |",
                  "|---|---|---|---|---|---|---|---|"]
         for r in rows:

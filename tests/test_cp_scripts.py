@@ -34,7 +34,8 @@ def test_cp_nccl_parity_dry_run_agrees_on_every_rank(extra):
 
 def test_bench_cp_dry_run_times_both_flashqla_modes(tmp_path):
     out = tmp_path / "cp.md"
-    run_two_ranks("bench_cp.py", "--tokens", "1024", "--heads", "2", "--reps", "1",
+    run_two_ranks("bench_cp.py", "--tokens", "1024", "--heads", "2", "--reps", "1", "--layers", "2",
                   "--impls", "flashqla exact,flashqla warmup", "--out", str(out))
     table = out.read_text()
     assert "| flashqla exact | 1024 | 2 |" in table and "| flashqla warmup | 1024 | 2 |" in table
+    assert "2 GDN call(s) per step" in table
