@@ -136,12 +136,7 @@ def build_cp_context(cu_seqlens_global, group=None, layout: str = "contiguous", 
 
 def _agree_or_raise(fingerprint: int, problem: str | None, group) -> None:
     """Every rank learns whether any rank has a problem or a different fingerprint, then all raise."""
-    mine = torch.tensor([fingerprint, 0 if problem is None else 1], dtype=torch.int64)
-    if dist.get_backend(group) == "nccl":
-        mine = mine.cuda()
-    gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(gathered, mine, group=group)
-    gathered = torch.stack(gathered).cpu()
+    gathered = gather_host_values([fingerprint, 0 if problem is None else 1], group)
     if problem is not None:
         raise ValueError(problem)
     if gathered[:, 1].any():
@@ -149,3 +144,28 @@ def _agree_or_raise(fingerprint: int, problem: str | None, group) -> None:
     if not torch.all(gathered[:, 0] == fingerprint):
         raise ValueError("build_cp_context: ranks disagree on cu_seqlens_global, group size, layout or "
                          "conv1d_kernel_size; every rank must pass the same global values")
+
+
+_side_streams: dict[int, torch.cuda.Stream] = {}
+
+
+def gather_host_values(values: list[int], group) -> torch.Tensor:
+    """Every rank's `values` (int64 [world, len(values)] on the CPU), joined by every rank of `group`.
+
+    On NCCL the gather runs from a side stream with no work of its own: NCCL orders it after the work
+    queued on the current stream, so from the compute stream the host would wait for all of it to drain
+    (and the GPU then idle while the host launches what follows). From the side stream the host waits
+    only for the other ranks' hosts and the collectives already queued on the group.
+    """
+    if dist.get_backend(group) != "nccl":
+        mine = torch.tensor(values, dtype=torch.int64)
+        gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(gathered, mine, group=group)
+        return torch.stack(gathered)
+    device = torch.cuda.current_device()
+    side = _side_streams.setdefault(device, torch.cuda.Stream(device))
+    with torch.cuda.stream(side):
+        mine = torch.tensor(values, dtype=torch.int64, device=torch.device("cuda", device))
+        gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(gathered, mine, group=group)
+        return torch.stack(gathered).cpu()

@@ -42,7 +42,7 @@ import torch.distributed as dist
 
 from ..ops import backends, reference, torch_backend
 from . import span
-from .context import CPContext
+from .context import CPContext, gather_host_values
 
 
 def _span(t: torch.Tensor, start: int, end: int) -> torch.Tensor:
@@ -102,11 +102,7 @@ def agree_on_call(cp: CPContext, error: str | None, q, v) -> None:
         header = [1, 0, 0, 0, 0, 0]
     else:
         header = [0, q.shape[2], v.shape[2], q.shape[3], v.shape[3], dtypes.index(q.dtype) if q.dtype in dtypes else -1]
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(cp.group) == "nccl" else "cpu"
-    mine = torch.tensor(header, dtype=torch.int64, device=device)
-    everyone = [torch.empty_like(mine) for _ in range(cp.world_size)]
-    dist.all_gather(everyone, mine, group=cp.group)
-    everyone = torch.stack(everyone).cpu()
+    everyone = gather_host_values(header, cp.group)  # no wait for this rank's queued GPU work
     if error:
         raise ValueError(error)
     if everyone[:, 0].any():
