@@ -46,6 +46,9 @@ class _PlanTensors:
     chunk_last_token: torch.Tensor  # [chunks] last token of every chunk of the stream
     chunk_row: torch.Tensor  # [chunks] its row
     num_tokens: int
+    first_row: int  # on the host (indexing with a device scalar would sync): the first sequence's first row
+    last_row: int  # the last sequence's last row
+    last_row_has_prev: bool  # whether that row is not its sequence's first segment
 
 
 @functools.lru_cache(maxsize=64)
@@ -62,7 +65,8 @@ def _plan_tensors(plan: SegmentPlan, num_tokens: int, device: torch.device) -> _
     # what launch.chunk_offsets_of(cu) computes on the device, once per plan
     chunk_offsets = as_tensor(list(itertools.accumulate(chunks, initial=0)), torch.int32)
     return _PlanTensors(cu, chunk_offsets, position > 0, has_next, as_tensor(plan.first_rows, torch.int32),
-                        as_tensor(plan.last_rows, torch.int32), as_tensor(chunk_last), as_tensor(chunk_row), num_tokens)
+                        as_tensor(plan.last_rows, torch.int32), as_tensor(chunk_last), as_tensor(chunk_row), num_tokens,
+                        plan.first_rows[0], plan.last_rows[-1], plan.position[plan.last_rows[-1]] > 0)
 
 
 def _segment_log_decay(gcum: torch.Tensor, idx: _PlanTensors) -> torch.Tensor:
@@ -93,9 +97,9 @@ def _summaries_needed(idx: _PlanTensors, exact, has_h0: bool, dht_given: bool | 
         active[1] = M_forward | (idx.has_prev[:, None] & _into_next(idx, exact, dht_given))
     active = torch.stack(active)
     if leaving:  # S*_last + M_last S_{last,0} of the last sequence (M_last where that start can be nonzero)
-        last = idx.last[-1]
-        active[0, last] = True
-        active[1, last] |= idx.has_prev[last] | has_h0
+        active[0, idx.last_row] = True
+        if idx.last_row_has_prev or has_h0:
+            active[1, idx.last_row] = True
     return active
 
 
@@ -159,7 +163,7 @@ def leaving_state(summ: ForwardSummaries, S0):
     """The final state of the call's last sequence before any walk, [Hv, K, V] fp32: S*_last + M_last
     S_{last,0}, from summaries asked with `leaving` (which computes M_last wherever S_{last,0} can be
     nonzero)."""
-    last = summ.idx.last[-1]
+    last = summ.idx.last_row
     return summ.S_star[last] + summ.M[last] @ S0[last]
 
 
@@ -265,7 +269,7 @@ def entering_gradient(hopper, pro: BackwardPrologue):
     dh0 = D_first + [exact_{first+1}] M_first^T X_first (D_first alone for a one-segment sequence)."""
     S0, M, exact = pro.starts
     X = pro.exits_without_dht = exit_gradients(hopper, pro.D, M, exact, pro.idx, None)
-    first = pro.idx.first[0]
+    first = pro.idx.first_row
     into_next = _into_next(pro.idx, exact, False)[first].to(X.dtype)  # [Hv]
     return pro.D[first] + into_next[:, None, None] * (M[first].transpose(-1, -2) @ X[first])
 

@@ -92,3 +92,38 @@ def test_segment_chain_kernel_matches_the_float64_fold(reverse):
     got = fold_segments(out, bias, mats, mask, as_int(first), as_int(last), reverse)
     assert not got.isnan().any()
     assert rel_err(got, want) <= 1e-5, rel_err(got, want)
+
+
+def test_segmented_step_and_cp_hand_offs_issue_no_host_sync():
+    """After a warm-up, a segmented fwd+bwd of the public op and inter-card CP's hand-offs (the state a call
+    passes on, the gradient it sends back) run without one host synchronisation: in a CP step every sync
+    drains the GPU's queue in every layer (an indexing by a device scalar did, 2026-11-30)."""
+    from flashqla.ops import backends
+    from flashqla.ops.torch_backend import make_plan
+
+    T = 8192
+    call = make_call([T], 2, 8, with_h0=False, seed=6)
+    leaves = {n: call[n].detach().clone().requires_grad_(True) for n in ("q", "k", "v", "g", "beta")}
+    plan = make_plan(1, T, [0, T], 16)
+    handoff = backends.Call(*(call[n] for n in ("q", "k", "v", "g", "beta")), None,
+                            backends.device_offsets((0, T), call["q"].device))
+    do = torch.randn_like(call["v"])
+    dht = torch.randn(1, 8, D, D, device="cuda")
+
+    def step():
+        o, _ = flashqla.chunk_gated_delta_rule(*leaves.values(), cu_seqlens=call["cu_seqlens"], backend="tilelang",
+                                               intra_cp=16)
+        o.backward(do)
+        _, finish = backends.forward_passing_state("tilelang", handoff, D ** -0.5, plan, -10.0)
+        _, _, kept = finish()
+        _, finish_backward = backends.backward_passing_gradient("tilelang", handoff, D ** -0.5, plan, -10.0, do,
+                                                                kept, True)
+        finish_backward(dht)
+
+    step()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
