@@ -1,4 +1,5 @@
-"""Run a test body on several gloo ranks (CPU) under a deadline, so a hung collective fails the test."""
+"""Run a test body on several ranks under a deadline, so a hung collective fails the test: gloo on the CPU,
+or NCCL with one GPU per rank."""
 import socket
 import time
 from datetime import timedelta
@@ -17,9 +18,11 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def _entry(rank, world_size, port, fn, args):
+def _entry(rank, world_size, port, backend, fn, args):
     torch.set_num_threads(1)  # ranks share a 2-core machine: no thread oversubscription
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=60))
     try:
         fn(rank, world_size, *args)
@@ -27,9 +30,10 @@ def _entry(rank, world_size, port, fn, args):
         dist.destroy_process_group()
 
 
-def run_on_ranks(world_size, fn, *args):
-    """Runs fn(rank, world_size, *args) on `world_size` gloo processes; fails on error or past the deadline."""
-    context = mp.start_processes(_entry, args=(world_size, _free_port(), fn, args), nprocs=world_size,
+def run_on_ranks(world_size, fn, *args, backend="gloo"):
+    """Runs fn(rank, world_size, *args) on `world_size` processes (gloo; or NCCL, rank r on GPU r); fails on
+    error or past the deadline."""
+    context = mp.start_processes(_entry, args=(world_size, _free_port(), backend, fn, args), nprocs=world_size,
                                  join=False, start_method="spawn")
     deadline = time.monotonic() + DEADLINE_S
     while not context.join(timeout=max(deadline - time.monotonic(), 0)):  # raises if a rank raised
