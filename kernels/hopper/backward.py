@@ -5,8 +5,8 @@
     chunk_dstates         the reverse walk: the gradient of the state leaving every chunk, and dS0
     chunk_bwd_local       every chunk at once: dq, dk (per v-head), dv, dg, dbeta from those two
 
-Nothing of the forward is saved but its inputs. Host work: dOs = scale dO, the GQA sums of dq and dk,
-and casts to the input dtypes. Sequences of any length, GQA, initial state and dht as in the forward.
+Nothing of the forward is saved but its inputs. Host work: dOs = scale dO, the GQA sums of dq and dk
+(per v-head in the input dtype, summed with fp32 accumulation), and casts of dg and dbeta. Sequences of any length, GQA, initial state and dht as in the forward.
 Intra-card CP (flashqla/cp/segments.py) runs the same steps with its segments as the sequences.
 """
 from __future__ import annotations
@@ -47,7 +47,9 @@ def backward_of(x: ChunkedCall, q, k, v, g, beta, dos, h0, dht):
     h, _, _ = walk(x, h0, store_final=False)
     dh, dS0 = state_gradients(x, dos, dht)
     x.release_walk_operands()  # the chunk-local kernel reads neither W nor U
-    dq, dk = (torch.empty(B * T, Hv, D, dtype=torch.float32, device=device) for _ in range(2))
+    # per v-head in the input dtype: half the bytes of fp32 written here and read by the GQA sums (and
+    # T x Hv x 512 bytes less memory at the peak); the sums accumulate in fp32 and round once more
+    dq, dk = (torch.empty(B * T, Hv, D, dtype=dos.dtype, device=device) for _ in range(2))
     dv = torch.empty(B * T, Hv, D, dtype=dos.dtype, device=device)
     dg = torch.empty(Hv, B * T, dtype=torch.float32, device=device)
     dbeta = torch.empty(B * T, Hv, dtype=torch.float32, device=device)
@@ -56,8 +58,8 @@ def backward_of(x: ChunkedCall, q, k, v, g, beta, dos, h0, dht):
         x.offsets, dq, dk, dv, dg, dbeta, x.num_seqs.bit_length())
     del h, dh  # the per-chunk states and their gradients, before the GQA sums allocate
 
-    def qk_heads(dx):  # v-head h read k-head h // (Hv / Hqk): sum each group
-        return dx.view(B, T, Hqk, Hv // Hqk, D).sum(3)
+    def qk_heads(dx):  # v-head h read k-head h // (Hv / Hqk): sum each group (torch accumulates in fp32)
+        return dx.view(B, T, Hqk, D) if Hv == Hqk else dx.view(B, T, Hqk, Hv // Hqk, D).sum(3)
 
     return (qk_heads(dq).to(q.dtype), qk_heads(dk).to(k.dtype), dv.view(v.shape).to(v.dtype),
             dg.t().reshape(g.shape).to(g.dtype), dbeta.view(beta.shape).to(beta.dtype), dS0)

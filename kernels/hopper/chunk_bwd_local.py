@@ -23,8 +23,8 @@ log, converted to base 2 once, for exp2), the per-chunk states h and state gradi
 (chunk_states, chunk_dstates). CTA (slot, v-head) finds its sequence by binary search in `chunk_offsets`
 as wy_inverse does; in a partial last chunk the rows past the sequence end are zeroed after loading
 (they hold the next sequence) and their gates repeat the last one, which is exactly the zero padding of
-the reference's chunk grid. Outputs fp32, rows that exist only: dq, dk per v-head (the caller sums GQA
-groups), dg [Hv, T], dbeta; dv in the input dtype (it needs no further sum).
+the reference's chunk grid. Outputs, rows that exist only: dq, dk, dv per v-head in the input dtype (the
+caller sums dq and dk over GQA groups, accumulating in fp32), dg [Hv, T] and dbeta in fp32.
 
 256 threads; operands of the tensor-core products in the input dtype from shared memory, accumulators and
 the elementwise algebra in fp32. Column sums run as a serial loop over rows of a shared fp32 tile.
@@ -71,8 +71,8 @@ def build_chunk_bwd_local(dtype: str):
         dh: T.Tensor((num_chunk_slots, num_v_heads, D, D), dtype),
         cu_seqlens: T.Tensor((num_seqs + 1,), "int32"),
         chunk_offsets: T.Tensor((num_seqs + 1,), "int32"),
-        dq: T.Tensor((num_tokens, num_v_heads, D), "float32"),
-        dk: T.Tensor((num_tokens, num_v_heads, D), "float32"),
+        dq: T.Tensor((num_tokens, num_v_heads, D), dtype),
+        dk: T.Tensor((num_tokens, num_v_heads, D), dtype),
         dv: T.Tensor((num_tokens, num_v_heads, D), dtype),
         dg: T.Tensor((num_v_heads, num_tokens), "float32"),
         dbeta: T.Tensor((num_tokens, num_v_heads), "float32"),
@@ -184,7 +184,7 @@ def build_chunk_bwd_local(dtype: str):
                 T.gemm(CC1_s, K_s, acc)
                 for r, j in T.Parallel(C, D):
                     if r < n_rows:
-                        dq[t0 + r, hv, j] = acc[r, j]
+                        dq[t0 + r, hv, j] = T.cast(acc[r, j], dtype)
 
                 # dgc += rowsum(dOs o diag(gamma) Q S)
                 T.gemm(Q_s, S_s, tmp, clear_accum=True)
@@ -256,7 +256,7 @@ def build_chunk_bwd_local(dtype: str):
                     dgc_acc[r] = dgc_acc[r] - T.exp2(gc_sh[r]) * rows[r]
                 for r, j in T.Parallel(C, D):
                     if r < n_rows:
-                        dk[t0 + r, hv, j] = acc[r, j]
+                        dk[t0 + r, hv, j] = T.cast(acc[r, j], dtype)
 
                 # gamma_last <S, dS> joins F (both belong to dgc of the last row), in two row halves of S
                 for half in T.serial(2):
