@@ -86,6 +86,7 @@ def main():
     ap.add_argument("--impls", default="flashqla,fla")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--out", default="docs/benchmarks_bwd.md")
+    ap.add_argument("--png", default=None, help="also a bar chart of the backward times")
     ap.add_argument("--quick", action="store_true", help="(16,32) and (2,4) at 8K and 32K, one sequence")
     ap.add_argument("--heads", default=None, help="Hqk:Hv pairs of the matrix to run, e.g. 4:8,2:4 (default: all)")
     args = ap.parse_args()
@@ -122,6 +123,8 @@ def main():
                 del inputs, do
                 torch.cuda.empty_cache()
     report = write_report(args.out, rows, list(fns), versions(), notes)
+    if args.png:
+        plot(args.png, rows, list(fns))
     print(report)
 
 
@@ -164,6 +167,28 @@ def write_report(path, rows, impls, vers, notes):
     with open(path, "w") as f:
         f.write("\n".join(lines))
     return "\n".join(lines)
+
+
+def plot(path, rows, impls):
+    """Bar chart of every row's backward ms (fwd+bwd - fwd) per implementation."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [f"({r['Hqk']},{r['Hv']})\n{r['T'] // 1024}K x{r['n']}" for r in rows]
+    fig, ax = plt.subplots(figsize=(max(8, 0.55 * len(rows)), 4.5))
+    width = 0.8 / len(impls)
+    names = {"flashqla": "flashqla (CP off)", "flashqla_cp": "flashqla", "fla": "FLA 0.6", "flash_qla": "FlashQLA 0.1.3"}
+    for i, impl in enumerate(impls):
+        xs = [j + (i - (len(impls) - 1) / 2) * width for j in range(len(rows))]
+        ax.bar(xs, [r[impl][1] - r[impl][0] if r.get(impl) else 0 for r in rows], width, label=names.get(impl, impl))
+    ax.set_xticks(range(len(rows)), labels, fontsize=6)
+    ax.set_ylabel("backward ms (lower is better)")
+    ax.set_title("GDN backward, H200, bf16, K = V = 128, eager")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 if __name__ == "__main__":
