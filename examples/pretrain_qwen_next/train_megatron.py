@@ -34,12 +34,8 @@ import tempfile
 import time
 from pathlib import Path
 
-# Megatron asserts this under TP or CP on GPUs (its overlapped TP communication relies on one hardware
-# queue); it must be set before CUDA starts, so set it here rather than make every launch line carry it
-os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
-
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
+import torch
+import torch.distributed as dist
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -74,6 +70,12 @@ def parse_args(argv=None):
     if megatron_extra and megatron_extra[0] == "--":
         megatron_extra = megatron_extra[1:]
     return args, megatron_extra
+
+
+def needs_one_hardware_queue(args) -> bool:
+    """Whether the run needs CUDA_DEVICE_MAX_CONNECTIONS=1: Megatron asserts it under TP or CP on GPUs (its
+    overlapped TP communication relies on one hardware queue). Runs without TP or CP leave it unset."""
+    return args.tp > 1 or (args.cp or SIZES[args.size].sequence_parallel) > 1
 
 
 def init_distributed():
@@ -205,6 +207,8 @@ def reduce_and_clip_grads(model, max_norm: float = 1.0):
 
 def main(argv=None):
     args, megatron_extra = parse_args(argv)
+    if needs_one_hardware_queue(args):  # before CUDA starts (init_distributed), or it has no effect
+        os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     init_distributed()
     from megatron.core import parallel_state
     from tqdm import tqdm

@@ -56,3 +56,18 @@ def test_stopped_and_resumed_run_gives_the_uninterrupted_losses(uninterrupted, c
     resumed = train(tmp_path, corpus, "--resume")
     assert resumed[:5] == first
     assert resumed == pytest.approx(expected, rel=1e-6, abs=0)
+
+
+def test_one_hardware_queue_only_where_megatron_asserts_it():
+    """CUDA_DEVICE_MAX_CONNECTIONS=1 (Megatron's requirement under TP or CP) is set for those runs only."""
+    sys.path.insert(0, str(SCRIPT.parent))
+    import train_megatron
+
+    def needs(*argv):
+        return train_megatron.needs_one_hardware_queue(train_megatron.parse_args(list(argv))[0])
+
+    assert not needs("--size", "small")
+    assert needs("--size", "small", "--tp", "2")
+    assert needs("--size", "small", "--cp", "2")
+    assert needs("--size", "long256k")  # its rows are split over 2 GPUs by default
+    assert not needs("--size", "long256k", "--cp", "1")
