@@ -179,7 +179,8 @@ def plot(path, rows, impls):
     labels = [f"({r['Hqk']},{r['Hv']})\n{r['T'] // 1024}K x{r['n']}" for r in rows]
     fig, ax = plt.subplots(figsize=(max(8, 0.55 * len(rows)), 4.5))
     width = 0.8 / len(impls)
-    names = {"flashqla": "flashqla (CP off)", "flashqla_cp": "flashqla", "fla": "FLA 0.6", "flash_qla": "FlashQLA 0.1.3"}
+    names = {"flashqla": "flashqla (CP off)", "flashqla_cp": "flashqla", "fla": "FLA 0.6",
+             "flash_qla": "FlashQLA 0.1.3"}
     for i, impl in enumerate(impls):
         xs = [j + (i - (len(impls) - 1) / 2) * width for j in range(len(rows))]
         ax.bar(xs, [r[impl][1] - r[impl][0] if r.get(impl) else 0 for r in rows], width, label=names.get(impl, impl))

@@ -6,7 +6,8 @@
     chunk_bwd_local       every chunk at once: dq, dk (per v-head), dv, dg, dbeta from those two
 
 Nothing of the forward is saved but its inputs. Host work: dOs = scale dO, the GQA sums of dq and dk
-(per v-head in the input dtype, summed with fp32 accumulation), and casts of dg and dbeta. Sequences of any length, GQA, initial state and dht as in the forward.
+(per v-head in the input dtype, summed with fp32 accumulation), and casts of dg and dbeta. Sequences of
+any length, GQA, initial state and dht as in the forward.
 Intra-card CP (flashqla/cp/segments.py) runs the same steps with its segments as the sequences.
 """
 from __future__ import annotations
