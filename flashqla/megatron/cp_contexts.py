@@ -9,8 +9,8 @@ layer lays its local rows out).
 `build_cp_context` runs a collective, so every rank must build (or reuse) a context at the same
 layer. The cache is keyed by the *contents* of the global offsets, plus group, conv width and device:
 all ranks see the same offsets in the same order and therefore hit and miss together. Host copies of
-packed offsets are cached by tensor identity and version, so a layer after the first neither copies
-nor synchronises.
+packed offsets (and int32 copies of int64 ones) are cached by tensor identity and version, so a layer
+after the first neither copies nor synchronises.
 """
 from __future__ import annotations
 
@@ -37,6 +37,23 @@ def host_offsets(cu_seqlens: torch.Tensor) -> tuple[int, ...]:
     _host_offsets[key] = (weakref.ref(cu_seqlens, lambda _, key=key: _host_offsets.pop(key, None)),
                           cu_seqlens._version, offsets)
     return offsets
+
+
+_int32: dict[int, tuple[weakref.ref, int, torch.Tensor]] = {}
+
+
+def int32_offsets(cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """cu_seqlens as int32, the same tensor for every layer of a step (converted once per tensor, again only
+    after an in-place change), so the op's host copy of the bounds, cached by tensor identity, is made once."""
+    if cu_seqlens.dtype == torch.int32:
+        return cu_seqlens
+    key = id(cu_seqlens)
+    cached = _int32.get(key)
+    if cached is not None and cached[0]() is cu_seqlens and cached[1] == cu_seqlens._version:
+        return cached[2]
+    converted = cu_seqlens.to(torch.int32)
+    _int32[key] = (weakref.ref(cu_seqlens, lambda _, key=key: _int32.pop(key, None)), cu_seqlens._version, converted)
+    return converted
 
 
 def state_passing_context(offsets: tuple[int, ...], group, conv_kernel_size: int, device) -> CPContext:

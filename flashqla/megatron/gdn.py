@@ -52,7 +52,7 @@ import flashqla
 from flashqla.layers.conv import causal_conv1d
 from flashqla.layers.norm import gated_rms_norm
 from flashqla.layers.halo import halo_prefix
-from flashqla.megatron.cp_contexts import host_offsets, state_passing_context
+from flashqla.megatron.cp_contexts import host_offsets, int32_offsets, state_passing_context
 
 CP_MODES = ("head_a2a", "state_passing")
 
@@ -216,22 +216,20 @@ class GatedDeltaNet(MegatronGatedDeltaNet):
         return norm_out.reshape(batch, tokens, -1).transpose(0, 1).contiguous()
 
     def _packed_cu_seqlens(self, packed_seq_params, seq_len, batch) -> Optional[torch.Tensor]:
-        """int32 cu_seqlens over the CP group's whole stream for THD input, else None."""
+        """int32 cu_seqlens over the CP group's whole stream for THD input, else None. Checked on the host
+        copy of the offsets, which is cached per tensor (one copy per step); Megatron's own resolution
+        (`_resolve_cu_seqlens` and a `torch.equal`) synchronises the host five times in every layer."""
         if packed_seq_params is None or packed_seq_params.qkv_format != "thd":
             return None
         if batch != 1:
             raise ValueError(f"packed (thd) input needs batch size 1, got {batch}")
-        cu_q = self._resolve_cu_seqlens(
-            packed_seq_params.cu_seqlens_q_padded, packed_seq_params.cu_seqlens_q, seq_len,
-            "cu_seqlens_q", cp_size=self.cp_size,
-        )
-        cu_kv = self._resolve_cu_seqlens(
-            packed_seq_params.cu_seqlens_kv_padded, packed_seq_params.cu_seqlens_kv, seq_len,
-            "cu_seqlens_kv", cp_size=self.cp_size,
-        )
-        if not torch.equal(cu_q, cu_kv):
-            raise ValueError(f"GDN needs cu_seqlens_q == cu_seqlens_kv, got {cu_q} and {cu_kv}")
-        return cu_q.to(torch.int32)
+        offsets = self._packed_offsets(packed_seq_params, seq_len)
+        lengths = [end - start for start, end in zip(offsets[:-1], offsets[1:])]
+        if any(n % self.cp_size for n in lengths):
+            raise ValueError(f"packed_seq_params: every sequence length must be divisible by cp_size={self.cp_size} "
+                             f"(Megatron's CP layout), got {lengths}")
+        padded = packed_seq_params.cu_seqlens_q_padded
+        return int32_offsets(padded if padded is not None else packed_seq_params.cu_seqlens_q)
 
     def _state_passing_cp_context(self, packed_seq_params, batch, tokens, device):
         """The shared (cached) CP context of this batch's layout: packed sequences as the THD offsets

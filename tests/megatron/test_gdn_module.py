@@ -212,3 +212,37 @@ def test_gated_output_norm_is_flashqlas_gated_rmsnorm_and_equals_megatrons(monke
     monkeypatch.setattr(module.config, "layernorm_zero_centered_gamma", True)
     module._apply_gated_norm(x, gate)
     assert not calls
+
+
+def test_packed_offsets_are_checked_on_the_host_once_per_tensor(monkeypatch):
+    """THD offsets are validated from the cached host copy (one copy per tensor, not Megatron's five host
+    syncs per layer), int64 offsets become one int32 tensor shared by every layer, and bad offsets raise."""
+    from flashqla.megatron import cp_contexts
+
+    copies = []
+    real_host_offsets = cp_contexts.host_offsets
+
+    def counting(cu_seqlens):
+        copies.append(cu_seqlens)
+        return real_host_offsets(cu_seqlens)
+
+    import flashqla.megatron.gdn as gdn_module
+    monkeypatch.setattr(gdn_module, "host_offsets", counting)
+    module = h.build_flashqla_gdn(h.gdn_config())
+    monkeypatch.setattr(module, "_resolve_cu_seqlens",
+                        lambda *a, **k: pytest.fail("Megatron's per-layer resolution (host syncs) was called"))
+    cu = torch.tensor([0, 37, 101, 102, 121])  # int64, as some data pipelines hand it over
+    packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=64, max_seqlen_kv=64)
+    first = module._packed_cu_seqlens(packed, 121, 1)
+    second = module._packed_cu_seqlens(packed, 121, 1)
+    assert first.dtype == torch.int32 and first is second and first.tolist() == cu.tolist()
+    assert all(c is cu for c in copies)  # only the step's own tensor is read, through the per-tensor cache
+    other = torch.tensor([0, 36, 121], dtype=torch.int32)
+    with pytest.raises(ValueError, match="cu_seqlens_q == cu_seqlens_kv"):
+        module._packed_cu_seqlens(PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=other,
+                                                  max_seqlen_q=64, max_seqlen_kv=64), 121, 1)
+    with pytest.raises(ValueError, match="is not the 120 tokens"):
+        module._packed_cu_seqlens(packed, 120, 1)
+    module.cp_size = 2
+    with pytest.raises(ValueError, match="divisible by cp_size=2"):
+        module._packed_cu_seqlens(packed, 121, 1)
