@@ -14,46 +14,26 @@ after the first neither copies nor synchronises.
 """
 from __future__ import annotations
 
-import weakref
 from collections import OrderedDict
 
 import torch
 
 from flashqla.cp import CPContext, build_cp_context
+from flashqla.ops.per_tensor import PerTensorCache
 
 CACHE_SIZE = 8  # a few batches' layouts (train, eval); entries are tiny
 
 _contexts: OrderedDict[tuple, CPContext] = OrderedDict()
-_host_offsets: dict[int, tuple[weakref.ref, int, tuple[int, ...]]] = {}
 
-
-def host_offsets(cu_seqlens: torch.Tensor) -> tuple[int, ...]:
-    """cu_seqlens as host ints, copied once per tensor (and again only after an in-place change)."""
-    key = id(cu_seqlens)
-    cached = _host_offsets.get(key)
-    if cached is not None and cached[0]() is cu_seqlens and cached[1] == cu_seqlens._version:
-        return cached[2]
-    offsets = tuple(int(b) for b in cu_seqlens.tolist())
-    _host_offsets[key] = (weakref.ref(cu_seqlens, lambda _, key=key: _host_offsets.pop(key, None)),
-                          cu_seqlens._version, offsets)
-    return offsets
-
-
-_int32: dict[int, tuple[weakref.ref, int, torch.Tensor]] = {}
+# cu_seqlens as host ints, copied once per tensor (again only after an in-place change)
+host_offsets = PerTensorCache(lambda cu_seqlens: tuple(int(b) for b in cu_seqlens.tolist()))
+_to_int32 = PerTensorCache(lambda cu_seqlens: cu_seqlens.to(torch.int32))
 
 
 def int32_offsets(cu_seqlens: torch.Tensor) -> torch.Tensor:
-    """cu_seqlens as int32, the same tensor for every layer of a step (converted once per tensor, again only
-    after an in-place change), so the op's host copy of the bounds, cached by tensor identity, is made once."""
-    if cu_seqlens.dtype == torch.int32:
-        return cu_seqlens
-    key = id(cu_seqlens)
-    cached = _int32.get(key)
-    if cached is not None and cached[0]() is cu_seqlens and cached[1] == cu_seqlens._version:
-        return cached[2]
-    converted = cu_seqlens.to(torch.int32)
-    _int32[key] = (weakref.ref(cu_seqlens, lambda _, key=key: _int32.pop(key, None)), cu_seqlens._version, converted)
-    return converted
+    """cu_seqlens as int32, the same tensor for every layer of a step (converted once per tensor), so the
+    op's host copy of the bounds, cached by tensor identity, is made once."""
+    return cu_seqlens if cu_seqlens.dtype == torch.int32 else _to_int32(cu_seqlens)
 
 
 def state_passing_context(offsets: tuple[int, ...], group, conv_kernel_size: int, device) -> CPContext:

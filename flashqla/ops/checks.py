@@ -1,9 +1,9 @@
 """Input validation for chunk_gated_delta_rule: every error names the argument, before any compute."""
 from __future__ import annotations
 
-import weakref
-
 import torch
+
+from .per_tensor import PerTensorCache
 
 # head dims every backend handles (the torch backend); kernels may support fewer and fall back
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
@@ -20,20 +20,9 @@ def _require_float(name: str, x: torch.Tensor) -> None:
         raise TypeError(f"{name} must be a floating-point tensor, got dtype {x.dtype}")
 
 
-# cu_seqlens already read back to the host, by tensor identity (and version, so in-place edits count):
-# a training step that reuses its offsets tensor pays the device->host copy once (CUDA-graph friendly)
-_bounds_cache: dict[int, tuple[weakref.ref, int, list[int]]] = {}
-
-
-def _host_bounds(cu_seqlens: torch.Tensor) -> list[int]:
-    cached = _bounds_cache.get(id(cu_seqlens))
-    if cached is not None and cached[0]() is cu_seqlens and cached[1] == cu_seqlens._version:
-        return cached[2]
-    bounds = cu_seqlens.tolist()
-    key = id(cu_seqlens)
-    _bounds_cache[key] = (weakref.ref(cu_seqlens, lambda _, key=key: _bounds_cache.pop(key, None)),
-                          cu_seqlens._version, bounds)
-    return bounds
+# cu_seqlens already read back to the host, by tensor identity and version (a training step that reuses its
+# offsets tensor pays the device->host copy once; CUDA-graph friendly)
+_host_bounds = PerTensorCache(lambda cu_seqlens: cu_seqlens.tolist())
 
 
 def check_cu_seqlens(cu_seqlens, batch: int, seq_len: int) -> list[int]:
