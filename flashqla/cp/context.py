@@ -12,6 +12,7 @@ The parts are chained in true token order whatever rank holds them.
 """
 from __future__ import annotations
 
+import contextlib
 import zlib
 from dataclasses import dataclass
 
@@ -157,15 +158,16 @@ def gather_host_values(values: list[int], group) -> torch.Tensor:
     (and the GPU then idle while the host launches what follows). From the side stream the host waits
     only for the other ranks' hosts and the collectives already queued on the group.
     """
-    if dist.get_backend(group) != "nccl":
-        mine = torch.tensor(values, dtype=torch.int64)
-        gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(gathered, mine, group=group)
-        return torch.stack(gathered)
-    device = torch.cuda.current_device()
-    side = _side_streams.setdefault(device, torch.cuda.Stream(device))
-    with torch.cuda.stream(side):
-        mine = torch.tensor(values, dtype=torch.int64, device=torch.device("cuda", device))
+    nccl = dist.get_backend(group) == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+    with torch.cuda.stream(_side_stream(device.index)) if nccl else contextlib.nullcontext():
+        mine = torch.tensor(values, dtype=torch.int64, device=device)
         gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
         dist.all_gather(gathered, mine, group=group)
         return torch.stack(gathered).cpu()
+
+
+def _side_stream(device_index: int) -> torch.cuda.Stream:
+    if device_index not in _side_streams:
+        _side_streams[device_index] = torch.cuda.Stream(device_index)
+    return _side_streams[device_index]
