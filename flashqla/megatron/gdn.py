@@ -69,6 +69,13 @@ def _without_fla_check():
         mcore_gdn_common.HAVE_FLA = saved
 
 
+def _thd_offsets(packed_seq_params, side: str) -> torch.Tensor:
+    """The THD offsets of `side` ("q" or "kv") the layer uses: the padded ones where given (as Megatron's
+    own GDN)."""
+    padded = getattr(packed_seq_params, f"cu_seqlens_{side}_padded")
+    return padded if padded is not None else getattr(packed_seq_params, f"cu_seqlens_{side}")
+
+
 class GatedDeltaNet(MegatronGatedDeltaNet):
     """Drop-in for `megatron.core.ssm.gated_delta_net.GatedDeltaNet` (same constructor arguments).
 
@@ -228,8 +235,7 @@ class GatedDeltaNet(MegatronGatedDeltaNet):
         if any(n % self.cp_size for n in lengths):
             raise ValueError(f"packed_seq_params: every sequence length must be divisible by cp_size={self.cp_size} "
                              f"(Megatron's CP layout), got {lengths}")
-        padded = packed_seq_params.cu_seqlens_q_padded
-        return int32_offsets(padded if padded is not None else packed_seq_params.cu_seqlens_q)
+        return int32_offsets(_thd_offsets(packed_seq_params, "q"))
 
     def _state_passing_cp_context(self, packed_seq_params, batch, tokens, device):
         """The shared (cached) CP context of this batch's layout: packed sequences as the THD offsets
@@ -246,11 +252,7 @@ class GatedDeltaNet(MegatronGatedDeltaNet):
     @staticmethod
     def _packed_offsets(packed_seq_params, total) -> tuple[int, ...]:
         """Host copy of the THD offsets over the whole CP group (cached per tensor: no sync per layer)."""
-        offsets = {}
-        for side in ("q", "kv"):
-            padded = getattr(packed_seq_params, f"cu_seqlens_{side}_padded")
-            actual = getattr(packed_seq_params, f"cu_seqlens_{side}")
-            offsets[side] = host_offsets(padded if padded is not None else actual)
+        offsets = {side: host_offsets(_thd_offsets(packed_seq_params, side)) for side in ("q", "kv")}
         if offsets["q"] != offsets["kv"]:
             raise ValueError(f"GDN needs cu_seqlens_q == cu_seqlens_kv, got {offsets['q']} and {offsets['kv']}")
         if offsets["q"][-1] != total:
