@@ -28,7 +28,7 @@ os.environ.setdefault("FLA_DISABLE_BACKEND_DISPATCH", "0")
 
 import torch  # noqa: E402
 
-from bench_gdn import eager_median_ms, make_inputs, versions  # noqa: E402
+from bench_gdn import eager_median_ms, grouped_bars, make_inputs, versions  # noqa: E402
 
 HEADS = [(16, 32), (8, 16), (4, 8), (2, 4)]
 TOKENS = [8192, 32768]
@@ -171,25 +171,12 @@ def write_report(path, rows, impls, vers, notes):
 
 def plot(path, rows, impls):
     """Bar chart of every row's backward ms (fwd+bwd - fwd) per implementation."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    labels = [f"({r['Hqk']},{r['Hv']})\n{r['T'] // 1024}K x{r['n']}" for r in rows]
-    fig, ax = plt.subplots(figsize=(max(8, 0.55 * len(rows)), 4.5))
-    width = 0.8 / len(impls)
     names = {"flashqla": "flashqla (CP off)", "flashqla_cp": "flashqla", "fla": "FLA 0.6",
              "flash_qla": "FlashQLA 0.1.3"}
-    for i, impl in enumerate(impls):
-        xs = [j + (i - (len(impls) - 1) / 2) * width for j in range(len(rows))]
-        ax.bar(xs, [r[impl][1] - r[impl][0] if r.get(impl) else 0 for r in rows], width, label=names.get(impl, impl))
-    ax.set_xticks(range(len(rows)), labels, fontsize=6)
-    ax.set_ylabel("backward ms (lower is better)")
-    ax.set_title("GDN backward, H200, bf16, K = V = 128, eager")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    series = [(names.get(impl, impl), [r[impl][1] - r[impl][0] if r.get(impl) else 0 for r in rows]) for impl in impls]
+    grouped_bars(path, [f"({r['Hqk']},{r['Hv']})\n{r['T'] // 1024}K x{r['n']}" for r in rows], series,
+                 "backward ms (lower is better)", "GDN backward, H200, bf16, K = V = 128, eager",
+                 width_per_group=0.55, label_fontsize=6)
 
 
 if __name__ == "__main__":

@@ -239,25 +239,32 @@ def write_report(path, rows, vers, notes):
     return "\n".join(lines)
 
 
-def plot(path, rows):
+def grouped_bars(path, labels, series, ylabel, title, width_per_group=1.2, label_fontsize=7):
+    """A bar chart with one group per label and one bar per (name, values) of `series` in each, saved as PNG
+    (bench_bwd.py draws its chart with it too)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    labels = [f"{r['name']}\n{r['seqs']}" for r in rows]
-    fig, ax = plt.subplots(figsize=(max(8, 1.2 * len(rows)), 4.5))
-    width = 0.2
-    for i, (key, label) in enumerate((("flashqla", "flashqla"), ("best", "flashqla best"),
-                                      ("fla", "FLA 0.6 Triton"), ("flash_qla", "FlashQLA 0.1.3"))):
-        xs = [j + (i - 1.5) * width for j in range(len(rows))]
-        ax.bar(xs, [r[key] or 0 for r in rows], width, label=label)
-    ax.set_xticks(range(len(rows)), labels, fontsize=7)
-    ax.set_ylabel("forward ms (lower is better)")
-    ax.set_title("GDN forward, H200, bf16, K = V = 128")
+    fig, ax = plt.subplots(figsize=(max(8, width_per_group * len(labels)), 4.5))
+    width = 0.8 / len(series)
+    for i, (name, values) in enumerate(series):
+        xs = [j + (i - (len(series) - 1) / 2) * width for j in range(len(labels))]
+        ax.bar(xs, values, width, label=name)
+    ax.set_xticks(range(len(labels)), labels, fontsize=label_fontsize)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+
+
+def plot(path, rows):
+    series = [(label, [r[key] or 0 for r in rows]) for key, label in (
+        ("flashqla", "flashqla"), ("best", "flashqla best"), ("fla", "FLA 0.6 Triton"), ("flash_qla", "FlashQLA 0.1.3"))]
+    grouped_bars(path, [f"{r['name']}\n{r['seqs']}" for r in rows], series, "forward ms (lower is better)",
+                 "GDN forward, H200, bf16, K = V = 128")
 
 
 def main():
