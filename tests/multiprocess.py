@@ -1,5 +1,6 @@
 """Run a test body on several ranks under a deadline, so a hung collective fails the test: gloo on the CPU,
 or NCCL with one GPU per rank."""
+import faulthandler
 import socket
 import time
 from datetime import timedelta
@@ -19,6 +20,7 @@ def _free_port():
 
 
 def _entry(rank, world_size, port, backend, fn, args):
+    faulthandler.enable(all_threads=True)  # a rank killed by a signal (SIGABRT from C++) prints its Python stacks
     torch.set_num_threads(1)  # ranks share a 2-core machine: no thread oversubscription
     if backend == "nccl":
         torch.cuda.set_device(rank)

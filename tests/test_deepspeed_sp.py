@@ -5,6 +5,7 @@ parameter gradient, the parameters after several clipped SGD steps, under ZeRO 1
 with activation checkpointing); the parameters are identical on every rank; a checkpoint resumes
 with the same losses; the routes that would give wrong gradients raise. One process group per SP size runs every check (starting ranks costs the most).
 """
+import gc
 import os
 
 import pytest
@@ -171,6 +172,12 @@ def _sp_suite(rank, world, checkpoint_dir):
         bad = {n: e for n in ref_params if (e := rel_err(ref_params[n], params[n])) > 2e-5}
         assert not bad, f"{where}: parameters after {STEPS} clipped SGD steps differ from SP = 1: {bad}"
         assert_identical_on_every_rank(params, where)
+        # torn down here (destroy, drop, collect), not wherever the garbage collector would run its
+        # __del__: ZeRO-3's teardown removes hooks and clears DeepSpeed's global debug names, which left
+        # to chance lands in the middle of the next engine's step
+        engine.destroy()
+        del engine
+        gc.collect()
 
     check_refusals(world, mpu, group)
 
@@ -185,6 +192,10 @@ def _sp_suite(rank, world, checkpoint_dir):
     assert sp_step(resumed, STEPS - 1, group) == last_loss, "resumed run: a different loss"
     for name, value in full_params(resumed).items():
         assert torch.equal(value, last_params[name]), f"resumed run: parameter {name} differs"
+    engine.destroy()
+    resumed.destroy()
+    del engine, resumed
+    gc.collect()
 
 
 def check_refusals(world, mpu, group):
@@ -218,7 +229,11 @@ def check_refusals(world, mpu, group):
     dense_config.num_experts = 0
     dense = Qwen3NextForCausalLM(dense_config)
     fds.enable_gdn_sequence_parallel(dense, mpu)
-    fds.initialize(model=dense, config=ds_config(3), mpu=mpu, optimizer=torch.optim.SGD(dense.parameters(), lr=LR))
+    engine, *_ = fds.initialize(model=dense, config=ds_config(3), mpu=mpu,
+                                optimizer=torch.optim.SGD(dense.parameters(), lr=LR))
+    engine.destroy()
+    del engine, dense
+    gc.collect()
 
 
 @pytest.mark.multiprocess
