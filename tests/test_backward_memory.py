@@ -1,0 +1,76 @@
+"""The kernel backward's memory on the CPU (kernels emulated, tests/kernel_emulator.py): the peak of the
+storages its host code allocates is what kernels/hopper/backward.py says it holds, and no more.
+
+At the chunk-local kernel the backward holds, per token and v-head (input dtype of e bytes): Ab (64 e),
+gcum and beta in fp32 (4 + 4), dOs (128 e), the per-chunk states h and their gradients dh (128 e each per
+token, plus one slot per sequence), dq, dk and dv per v-head (3 x 128 e), dg and dbeta in fp32 (4 + 4),
+and dS0 (64 KiB per sequence and head). W and U (128 e each) must be gone by then, and h and dh before
+the GQA sums allocate; a copy of any [T, Hv, 128] tensor more breaks the bound.
+"""
+import sys
+import weakref
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import kernel_emulator
+from gdn_inputs import make_inputs
+
+pytest.importorskip("tilelang")
+
+EMULATOR = kernel_emulator.__file__
+
+
+class PeakStorage(TorchDispatchMode):
+    """Bytes of the storages that ops create outside the emulated kernels: live now, and at the peak.
+    A storage counts from the op that allocates it (not a view, not an op writing into its inputs) until
+    it is freed (a finalizer on its Python object)."""
+
+    def __init__(self):
+        super().__init__()
+        self.live = self.peak = 0
+
+    def _freed(self, nbytes):
+        self.live -= nbytes
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        frame = sys._getframe(1)
+        while frame is not None:  # the emulators' own fp64 temporaries are not the kernels' memory
+            if frame.f_code.co_filename == EMULATOR:
+                return out
+            frame = frame.f_back
+        inputs = {a.untyped_storage().data_ptr() for a in torch.utils._pytree.tree_leaves((args, kwargs))
+                  if isinstance(a, torch.Tensor)}
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and not func.is_view and t.untyped_storage().data_ptr() not in inputs:
+                storage = t.untyped_storage()
+                self.live += storage.nbytes()
+                weakref.finalize(storage, self._freed, storage.nbytes())
+                self.peak = max(self.peak, self.live)
+        return out
+
+
+@pytest.mark.parametrize("Hqk,Hv", [(1, 2), (2, 2)])
+def test_kernel_backward_peak_is_the_documented_set(monkeypatch, Hqk, Hv):
+    import flashqla
+    from flashqla.ops import backends
+
+    kernel_emulator.install(monkeypatch)
+    monkeypatch.setattr(backends, "tilelang_unsupported_reason", lambda call: None)  # "tilelang" on the CPU
+    T, e = 1024, 2
+    args = make_inputs(1, T, Hqk, Hv, 128, 128, dtype=torch.bfloat16, seed=3)
+    o, _ = flashqla.chunk_gated_delta_rule(**args, backend="tilelang", intra_cp="off")
+    do = torch.randn_like(o)
+    with PeakStorage() as memory:
+        o.backward(do)
+
+    per_token_head = 64 * e + 4 + 4 + 128 * e + 3 * 128 * e + 4 + 4
+    states = 2 * (T // 64 + 1) * 128 * 128 * e  # h and dh: a slot per chunk and one per sequence
+    dS0 = 128 * 128 * 4
+    expected = T * Hv * per_token_head + Hv * (states + dS0)
+    assert expected <= memory.peak <= expected * 1.02, (
+        f"backward peak {memory.peak} bytes, documented set {expected} ({memory.peak / (T * Hv):.0f} vs "
+        f"{expected / (T * Hv):.0f} bytes per token and v-head)")
+    assert all(args[n].grad is not None for n in ("q", "k", "v", "g", "beta"))
