@@ -101,6 +101,10 @@ def _errors_raise_on_every_rank(rank, world):
     args = make_inputs(1, 64, 1, 1, 16, 16, requires_grad=False, with_h0=True)
     with pytest.raises(ValueError, match="initial_state"):
         flashqla.chunk_gated_delta_rule(**args, cp_context=ctx)
+    # an FLA option flashqla refuses, on rank 0 only
+    args = make_inputs(1, 64, 1, 1, 16, 16, requires_grad=False)
+    with pytest.raises(ValueError, match="chunk_size|another rank"):
+        flashqla.chunk_gated_delta_rule(**args, cp_context=ctx, chunk_size=32 if rank == 0 else 64)
 
 
 @pytest.mark.multiprocess

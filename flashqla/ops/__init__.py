@@ -1,3 +1,4 @@
-from .chunk import chunk_gated_delta_rule, l2norm
+from .chunk import chunk_gated_delta_rule, chunk_gdn
+from .options import l2norm
 
-__all__ = ["chunk_gated_delta_rule", "l2norm"]
+__all__ = ["chunk_gated_delta_rule", "chunk_gdn", "l2norm"]

@@ -25,16 +25,32 @@ def _require_float(name: str, x: torch.Tensor) -> None:
 _host_bounds = PerTensorCache(lambda cu_seqlens: cu_seqlens.tolist())
 
 
-def check_cu_seqlens(cu_seqlens, batch: int, seq_len: int) -> list[int]:
-    """Validates packed-sequence offsets and returns them as Python ints."""
-    _require_tensor("cu_seqlens", cu_seqlens)
-    if cu_seqlens.dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"cu_seqlens must be int32 or int64, got {cu_seqlens.dtype}")
-    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
-        raise ValueError(f"cu_seqlens must be 1-D with at least 2 entries, got shape {tuple(cu_seqlens.shape)}")
+def _require_offsets(name: str, x) -> None:
+    _require_tensor(name, x)
+    if x.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"{name} must be int32 or int64, got {x.dtype}")
+    if x.dim() != 1 or x.numel() < 2:
+        raise ValueError(f"{name} must be 1-D with at least 2 entries, got shape {tuple(x.shape)}")
+
+
+def check_cu_seqlens(cu_seqlens, batch: int, seq_len: int, cu_seqlens_cpu=None) -> list[int]:
+    """Validates packed-sequence offsets and returns them as Python ints: read from `cu_seqlens_cpu` (FLA's
+    host copy of the same offsets) when given, which spares a device-to-host copy, else from cu_seqlens."""
+    _require_offsets("cu_seqlens", cu_seqlens)
     if batch != 1:
         raise ValueError(f"cu_seqlens requires batch size 1 (packed layout), got q with batch {batch}")
-    bounds = _host_bounds(cu_seqlens)
+    if cu_seqlens_cpu is None:
+        bounds = _host_bounds(cu_seqlens)
+    else:
+        _require_offsets("cu_seqlens_cpu", cu_seqlens_cpu)
+        if cu_seqlens_cpu.device.type != "cpu":
+            raise ValueError(f"cu_seqlens_cpu must be on the CPU, got {cu_seqlens_cpu.device}")
+        if cu_seqlens_cpu.shape != cu_seqlens.shape:
+            raise ValueError(f"cu_seqlens_cpu must have cu_seqlens' shape {tuple(cu_seqlens.shape)}, "
+                             f"got {tuple(cu_seqlens_cpu.shape)}")
+        if cu_seqlens.device.type == "cpu" and not torch.equal(cu_seqlens.long(), cu_seqlens_cpu.long()):
+            raise ValueError("cu_seqlens_cpu must hold the same offsets as cu_seqlens")
+        bounds = cu_seqlens_cpu.tolist()
     if bounds[0] != 0:
         raise ValueError(f"cu_seqlens must start at 0, got {bounds[0]}")
     if bounds[-1] != seq_len:
@@ -44,7 +60,7 @@ def check_cu_seqlens(cu_seqlens, batch: int, seq_len: int) -> list[int]:
     return bounds
 
 
-def check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, backend) -> list[int] | None:
+def check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, backend, cu_seqlens_cpu=None) -> list[int] | None:
     """Validates a call; returns cu_seqlens as a list of ints (or None)."""
     for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
         _require_tensor(name, x)
@@ -75,7 +91,9 @@ def check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, backend) ->
     tensors = [("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)]
     bounds = None
     if cu_seqlens is not None:
-        bounds = check_cu_seqlens(cu_seqlens, B, T)
+        bounds = check_cu_seqlens(cu_seqlens, B, T, cu_seqlens_cpu)
+    elif cu_seqlens_cpu is not None:
+        raise ValueError("cu_seqlens_cpu is the host copy of cu_seqlens: pass cu_seqlens as well")
     N = B if bounds is None else len(bounds) - 1
     if initial_state is not None:
         _require_tensor("initial_state", initial_state)

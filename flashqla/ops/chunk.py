@@ -6,6 +6,8 @@ import torch
 from ..cp.plan import resolve_segment_chunks
 from . import backends
 from .checks import check_inputs, check_cp_arguments
+from .options import (apply_input_options, check_gate_parameters, input_options, state_to_caller_layout,
+                      state_to_op_layout)
 from .torch_backend import make_plan
 
 
@@ -33,12 +35,6 @@ class ChunkGatedDeltaRuleFunction(torch.autograd.Function):
         return dq, dk, dv, dg, dbeta, dh0, None, None, None, None, None, None
 
 
-def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """x / sqrt(sum(x^2) + eps) over the head dim, computed in fp32 (the FLA / HF convention)."""
-    xf = x.float() if x.dtype != torch.float64 else x
-    return (xf * torch.rsqrt(xf.square().sum(-1, keepdim=True) + eps)).to(x.dtype)
-
-
 def chunk_gated_delta_rule(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -48,15 +44,23 @@ def chunk_gated_delta_rule(
     scale: float | None = None,
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
-    cu_seqlens: torch.Tensor | None = None,
     use_qk_l2norm_in_kernel: bool = False,
+    use_beta_sigmoid_in_kernel: bool = False,
+    allow_neg_eigval: bool = False,
+    state_v_first: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    cu_seqlens_cpu: torch.Tensor | None = None,
+    chunk_indices: torch.Tensor | None = None,
+    cp_context=None,
     *,
     backend: str = "auto",
     intra_cp: str | int = "auto",
     cp_warmup: float | None = -10.0,
-    cp_context=None,
+    **kwargs,
 ):
-    """Gated delta rule, chunked prefill (design doc §1-2).
+    """Gated delta rule, chunked prefill (design doc §1-2). FLA 0.6.0's signature (same positions and
+    keywords, so a call written for `fla.ops.gated_delta_rule.chunk_gated_delta_rule` runs unchanged),
+    plus flashqla's keyword-only `backend`, `intra_cp` and `cp_warmup`.
 
     Args:
         q, k: [B, T, Hqk, K]. v: [B, T, Hv, V] with Hv a multiple of Hqk (v-head h reads q/k head
@@ -64,58 +68,77 @@ def chunk_gated_delta_rule(
         scale: defaults to K ** -0.5.
         initial_state: [N, Hv, K, V], N = B, or the number of packed sequences with cu_seqlens.
         output_final_state: also return the state after the last token of every sequence.
-        cu_seqlens: int32/int64 offsets of packed sequences (B must be 1), from 0 to T.
         use_qk_l2norm_in_kernel: L2-normalise q and k over the head dim first (eps 1e-6).
+        use_beta_sigmoid_in_kernel: beta holds logits (sigmoid applied in fp32); with allow_neg_eigval,
+            2 sigmoid(beta).
+        state_v_first: initial and final states laid out [N, Hv, V, K].
+        cu_seqlens: int32/int64 offsets of packed sequences (B must be 1), from 0 to T.
+        cu_seqlens_cpu: the same offsets on the host, which spares reading cu_seqlens back from the GPU
+            (validated like cu_seqlens; it must hold cu_seqlens' values, which on a GPU are not re-read).
+        chunk_indices: accepted for FLA callers and unused (the kernels index chunks from cu_seqlens).
+        cp_context: inter-card context parallelism (flashqla.cp.build_cp_context, docs/cp.md).
         backend: "auto" (TileLang on SM90 when it can run the call, else torch), "torch", "tilelang".
-        intra_cp, cp_warmup, cp_context: intra-card / inter-card context parallelism (see flashqla.cp and
-            docs/cp.md). cp_warmup (natural-log decay threshold, None = exact everywhere) serves both:
-            within a card, a (segment, head) whose gate decays past it over the chunks before the
-            segment restarts from zero a few chunks early instead of taking the transition product M;
-            across ranks, a sequence's span on a rank whose gates decay past it for EVERY head within
-            fewer chunks than the span has is summarised over its last few chunks with M = 0 (its
-            entering-state gradient over its first few), any other span exactly.
+        intra_cp, cp_warmup: intra-card CP (docs/cp.md). cp_warmup (natural-log decay threshold, None =
+            exact everywhere) serves both levels: within a card, a (segment, head) whose gate decays past it
+            over the chunks before the segment restarts from zero a few chunks early instead of taking the
+            transition product M; across ranks, a sequence's span on a rank whose gates decay past it for
+            EVERY head within fewer chunks than the span has is summarised over its last few chunks with
+            M = 0 (its entering-state gradient over its first few), any other span exactly.
+        **kwargs: FLA's `chunk_size` (64 only), `use_gate_in_kernel` with `A_log` and `dt_bias` (g is
+            then the raw gate input), the deprecated `transpose_state_layout` (see flashqla/ops/options.py).
 
     Returns:
-        o [B, T, Hv, V] in q's dtype, and the final state [N, Hv, K, V] in fp32 (or None).
+        o [B, T, Hv, V] in q's dtype, and the final state [N, Hv, K, V] ([N, Hv, V, K] with state_v_first)
+        in fp32 (or None).
     """
+    del chunk_indices  # FLA's precomputed chunk index: the kernels derive theirs from cu_seqlens
+    flags = (use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first, kwargs)
     if cp_context is not None:
-        return _with_cp_context(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
-                                use_qk_l2norm_in_kernel, backend, intra_cp, cp_warmup, cp_context)
-    bounds = check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, backend)
+        return _with_cp_context(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, flags,
+                                backend, intra_cp, cp_warmup, cp_context)
+    options = input_options(*flags)
+    initial_state = state_to_op_layout(options, initial_state)
+    bounds = check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, backend, cu_seqlens_cpu)
+    check_gate_parameters(options, g)
     check_cp_arguments(intra_cp, cp_warmup)
-    scale, q, k, v, g, beta = _prepare(scale, use_qk_l2norm_in_kernel, q, k, v, g, beta)
+    scale, q, k, v, g, beta = _prepare(scale, options, q, k, v, g, beta)
     plan, name = _plan_and_backend(q, k, v, g, beta, initial_state, cu_seqlens, bounds, backend, intra_cp)
-    return ChunkGatedDeltaRuleFunction.apply(
+    o, final_state = ChunkGatedDeltaRuleFunction.apply(
         q, k, v, g, beta, initial_state, float(scale), bool(output_final_state), cu_seqlens, plan, cp_warmup, name
     )
+    return o, state_to_caller_layout(options, final_state)
 
 
-def _with_cp_context(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm_in_kernel,
-                     backend, intra_cp, cp_warmup, cp_context):
+chunk_gdn = chunk_gated_delta_rule  # FLA's alias
+
+
+def _with_cp_context(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, flags, backend,
+                     intra_cp, cp_warmup, cp_context):
     """Inter-card CP: validate, make every rank of the group agree (or all raise), then run the chain."""
     from ..cp import inter
 
     error = None
     try:
+        options = input_options(*flags)
         check_inputs(q, k, v, g, beta, scale, initial_state, None, backend)
+        check_gate_parameters(options, g)
         check_cp_arguments(intra_cp, cp_warmup)
         error = inter.local_error(cp_context, q, cu_seqlens, initial_state, output_final_state)
     except (TypeError, ValueError) as exc:
         error = str(exc)
     inter.agree_on_call(cp_context, error, q, v)
-    scale, q, k, v, g, beta = _prepare(scale, use_qk_l2norm_in_kernel, q, k, v, g, beta)
+    scale, q, k, v, g, beta = _prepare(scale, options, q, k, v, g, beta)
     plan, name = _plan_and_backend(q, k, v, g, beta, None, cp_context.cu_seqlens, list(cp_context.local_bounds),
                                    backend, intra_cp)
     o = inter.InterCardCPFunction.apply(q, k, v, g, beta, float(scale), cp_context, plan, cp_warmup, name)
     return o, None
 
 
-def _prepare(scale, use_qk_l2norm_in_kernel, q, k, v, g, beta):
-    """Default scale, optional L2 norm of q and k, contiguous inputs."""
+def _prepare(scale, options, q, k, v, g, beta):
+    """Default scale, the FLA input options (L2 norm of q and k, gate, beta sigmoid), contiguous inputs."""
     if scale is None:
         scale = q.shape[-1] ** -0.5
-    if use_qk_l2norm_in_kernel:
-        q, k = l2norm(q), l2norm(k)
+    q, k, g, beta = apply_input_options(options, q, k, g, beta)
     return (float(scale),) + tuple(x.contiguous() for x in (q, k, v, g, beta))
 
 
