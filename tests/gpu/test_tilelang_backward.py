@@ -107,3 +107,41 @@ def test_32k_sequence_against_float64_chunked_reference():
     bad = {n: f"{e:.2e}" for n, e in errors.items() if not e <= TOL[n]}
     assert not bad, f"gradients over threshold at 32K: {bad} (all: { {n: f'{e:.1e}' for n, e in errors.items()} })"
     print("32K gradient errors:", {n: f"{e:.1e}" for n, e in errors.items()})
+
+
+def test_fp32_beta_as_the_beta_sigmoid_option_hands_the_kernels(poisoned_outputs):
+    call = make_call([1, 190, 64], 2, 8, seed=8)
+    call["beta"] = call["beta"].float()
+    assert_grads_match(call)
+
+
+def test_fla_options_on_the_kernel_path_against_the_float64_torch_backend(poisoned_outputs):
+    """FLA's beta logits, in-kernel gate, V-first states and host offsets (flashqla/ops/options.py) on the
+    kernels, against the same call on the torch backend in float64 from the same inputs."""
+    call = make_call([65, 1, 300], 2, 8, seed=9)
+    gen = torch.Generator(device="cuda").manual_seed(10)
+    raw = dict(q=call["q"], k=call["k"], v=call["v"], beta=torch.randn(call["beta"].shape, generator=gen,
+               device="cuda"), g=torch.randn(call["g"].shape, generator=gen, device="cuda"),
+               initial_state=call["initial_state"].transpose(-1, -2).contiguous(),
+               A_log=torch.empty(8, device="cuda").uniform_(0.01, 16, generator=gen).log(),
+               dt_bias=torch.randn(8, generator=gen, device="cuda"))
+    do = torch.randn(call["v"].shape, generator=gen, device="cuda").bfloat16()
+    dht = torch.randn(3, 8, D, D, generator=gen, device="cuda") * 0.1
+    cu = call["cu_seqlens"]
+
+    def grads(inputs, backend):
+        leaves = {n: x.detach().clone().requires_grad_(True) for n, x in inputs.items()}
+        o, ht = flashqla.chunk_gated_delta_rule(
+            leaves["q"], leaves["k"], leaves["v"], leaves["g"], leaves["beta"], initial_state=leaves["initial_state"],
+            output_final_state=True, use_beta_sigmoid_in_kernel=True, state_v_first=True, cu_seqlens=cu,
+            cu_seqlens_cpu=cu.cpu(), use_gate_in_kernel=True, A_log=leaves["A_log"], dt_bias=leaves["dt_bias"],
+            backend=backend)
+        out = torch.autograd.grad([o, ht], list(leaves.values()), [do.to(o.dtype), dht.transpose(-1, -2).to(ht.dtype)])
+        return dict(zip(leaves, out), o=o, ht=ht)
+
+    got = grads(raw, "tilelang")
+    ref = grads({n: x.double() for n, x in raw.items()}, "torch")
+    tol = {**TOL, "o": 5e-3, "ht": 5e-3, "A_log": 2e-2, "dt_bias": 2e-2}
+    errors = {n: rel_err(got[n], ref[n]) for n in ref}
+    bad = {n: f"{e:.2e}" for n, e in errors.items() if not e <= tol[n]}
+    assert not bad, f"over threshold with FLA's options: {bad} (all: { {n: f'{e:.1e}' for n, e in errors.items()} })"
