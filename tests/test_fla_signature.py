@@ -155,3 +155,13 @@ def test_default_chunk_size_is_accepted():
     args = {n: x.detach() for n, x in inputs().items()}
     o, _ = flashqla.chunk_gated_delta_rule(**args, chunk_size=64)
     assert torch.equal(o, flashqla.chunk_gated_delta_rule(**args)[0])
+
+
+def test_build_cp_context_takes_fla_060s_arguments_in_its_order():
+    from flashqla.cp import build_cp_context
+
+    names = list(inspect.signature(build_cp_context).parameters)
+    # FLA names the first one cu_seqlens; callers pass it by position
+    assert names[1:] == ["group", "conv1d_kernel_size", "cu_seqlens_cpu", "use_tf32x3_affine_chain", "layout"]
+    with pytest.raises(ValueError, match="use_tf32x3_affine_chain"):
+        build_cp_context(CU, None, 4, CU, False)

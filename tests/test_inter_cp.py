@@ -94,6 +94,9 @@ def _errors_raise_on_every_rank(rank, world):
         build_cp_context(random_cu_seqlens([64, 6]), group=dist.group.WORLD, layout="zigzag_per_sequence")
     # a wrong local length on rank 1 only: both ranks raise instead of rank 0 waiting in a collective
     ctx = build_cp_context(random_cu_seqlens([128]), group=dist.group.WORLD)
+    # FLA 0.6.0's positional order (cu_seqlens, group, conv1d_kernel_size, cu_seqlens_cpu) builds the same
+    fla_style = build_cp_context(random_cu_seqlens([128]), dist.group.WORLD, 4, random_cu_seqlens([128]))
+    assert fla_style.local_bounds == ctx.local_bounds and fla_style.conv1d_kernel_size == 4
     args = make_inputs(1, 64 if rank == 0 else 63, 1, 1, 16, 16, requires_grad=False)
     with pytest.raises(ValueError, match="rank 1|another rank"):
         flashqla.chunk_gated_delta_rule(**args, cp_context=ctx)

@@ -93,13 +93,17 @@ def _layout_parts(bounds: list[int], world: int, layout: str):
     return parts, [[r, 2 * world - 1 - r] for r in range(world)]
 
 
-def build_cp_context(cu_seqlens_global, group=None, layout: str = "contiguous", conv1d_kernel_size: int | None = None,
-                     cu_seqlens_cpu=None) -> CPContext:
+def build_cp_context(cu_seqlens_global, group=None, conv1d_kernel_size: int | None = None, cu_seqlens_cpu=None,
+                     use_tf32x3_affine_chain: bool = True, layout: str = "contiguous") -> CPContext:
     """Builds this rank's CP context; every rank of `group` must call it with the same arguments.
 
-    Mismatched arguments across ranks raise the same ValueError on every rank (an all-gather of a
-    fingerprint, never a hang). `cu_seqlens_cpu` (optional) spares a device-to-host copy.
+    FLA 0.6.0's `fla.ops.cp.build_cp_context` arguments in its order. Mismatched arguments across ranks
+    raise the same ValueError on every rank (an all-gather of a fingerprint, never a hang).
+    `cu_seqlens_cpu` (optional) spares a device-to-host copy. `use_tf32x3_affine_chain` must be True, as
+    in FLA (where it is a legacy switch): flashqla's chain is fp32 on CUDA cores, never TF32.
     """
+    if use_tf32x3_affine_chain is not True:
+        raise ValueError("use_tf32x3_affine_chain must be True (as in FLA 0.6.0): the chain always runs in fp32")
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     if not dist.is_available() or not dist.is_initialized():
