@@ -5,7 +5,8 @@ their gradients back to the raw tensors), and the state layout is a transpose at
 
 - `use_qk_l2norm_in_kernel`: q and k divided by their L2 norm over the head dim (eps 1e-6, in fp32).
 - `use_beta_sigmoid_in_kernel`: `beta` holds logits; beta = sigmoid(beta) in fp32, or 2 sigmoid(beta)
-  with `allow_neg_eigval` (eigenvalues of the transition in (-1, 1]), which needs the sigmoid flag.
+  with `allow_neg_eigval` (I - beta k k^T may then have a negative eigenvalue, down to -1), which needs
+  the sigmoid flag.
 - `use_gate_in_kernel` (keyword) with `A_log` [Hv] and optional `dt_bias` [Hv]: `g` holds the raw gate
   input a; g = -exp(A_log) softplus(a + dt_bias) in fp32 (Qwen3-Next's gate).
 - `state_v_first` (or FLA's deprecated `transpose_state_layout`): initial and final states as
