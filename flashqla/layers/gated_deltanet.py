@@ -20,6 +20,7 @@ from torch import nn
 
 from ..ops import chunk_gated_delta_rule
 from ..ops.checks import check_cu_seqlens
+from ..ops.options import qwen3_next_gate
 from .conv import causal_conv1d
 from .halo import halo_prefix
 from .norm import GatedRMSNorm
@@ -138,8 +139,7 @@ class GatedDeltaNet(nn.Module):
         k = k.reshape(B, T, self.num_k_heads, self.head_k_dim)
         v = v.reshape(B, T, self.num_v_heads, self.head_v_dim)
 
-        gate_dtype = torch.promote_types(a.dtype, torch.float32)  # fp32 at least (fp64 layers stay fp64)
-        g = -self.A_log.to(gate_dtype).exp() * F.softplus(a.to(gate_dtype) + self.dt_bias.to(gate_dtype))
+        g = qwen3_next_gate(a, self.A_log, self.dt_bias)
         beta = b.sigmoid()
         o, final_state = chunk_gated_delta_rule(
             q, k, v, g, beta,

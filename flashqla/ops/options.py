@@ -33,6 +33,13 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return (xf * torch.rsqrt(xf.square().sum(-1, keepdim=True) + eps)).to(x.dtype)
 
 
+def qwen3_next_gate(a: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor | None) -> torch.Tensor:
+    """g = -exp(A_log) softplus(a + dt_bias), in fp32 at least (fp64 inputs stay fp64)."""
+    work = torch.promote_types(a.dtype, torch.float32)
+    bias = 0.0 if dt_bias is None else dt_bias.to(work)
+    return -A_log.to(work).exp() * F.softplus(a.to(work) + bias)
+
+
 @dataclass(frozen=True)
 class InputOptions:
     """How the raw inputs of a call become the op's q, k, g, beta (and how its states are laid out)."""
@@ -106,9 +113,7 @@ def apply_input_options(options: InputOptions, q, k, g, beta):
     if options.use_qk_l2norm_in_kernel:
         q, k = l2norm(q), l2norm(k)
     if options.use_gate_in_kernel:
-        work = torch.promote_types(g.dtype, torch.float32)
-        bias = 0.0 if options.dt_bias is None else options.dt_bias.to(work)
-        g = -options.A_log.to(work).exp() * F.softplus(g.to(work) + bias)
+        g = qwen3_next_gate(g, options.A_log, options.dt_bias)
     if options.use_beta_sigmoid_in_kernel:
         beta = torch.sigmoid(beta.to(torch.promote_types(beta.dtype, torch.float32)))
         if options.allow_neg_eigval:
