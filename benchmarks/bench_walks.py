@@ -38,7 +38,7 @@ def main():
         N = len(lengths)
         unused = torch.empty(1, D, D, device="cuda")
         h = torch.empty(x.chunk_slots, Hv, D, D, dtype=x.w.dtype, device="cuda")
-        vnew, dos = torch.empty_like(x.w), torch.randn_like(x.w)
+        vnew, do = torch.empty_like(x.w), torch.randn_like(x.w)
         dS0 = torch.empty(N * Hv, D, D, device="cuda")
         cells = []
         for block_v in launch.BLOCK_V_CHOICES:
@@ -46,7 +46,8 @@ def main():
             dstates = launch.compiled_chunk_dstates(x.dtype, block_v)
             run_states = functools.partial(states, x.k, x.w, x.u, x.gcum, x.cu, x.offsets, unused, h, vnew, unused,
                                            0, 0, 1, 1)
-            run_dstates = functools.partial(dstates, x.q, x.k, x.w, dos, x.gcum, x.cu, x.offsets, unused, h, dS0, 0, 1)
+            run_dstates = functools.partial(dstates, x.q, x.k, x.w, do, x.gcum, x.cu, x.offsets, unused, h, dS0,
+                                            D ** -0.5, 0, 1)
             run_states(), run_dstates()
             states_ms, dstates_ms = eager_median_ms(run_states, args.reps), eager_median_ms(run_dstates, args.reps)
             cells.append(f"{states_ms:8.3f} ms {dstates_ms:8.3f} ms")

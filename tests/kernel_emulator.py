@@ -136,7 +136,7 @@ def emulate_fused_fwd(q, k, v, Ab, gcum, cu, h0, o, ht, scale, use_h0, store_ht)
             ht[n * Hv:(n + 1) * Hv] = S.to(ht.dtype)
 
 
-def emulate_chunk_dstates(q, k, w, dos, gcum, cu, offsets, dht, dh_out, dh0, use_dht, store_dh0):
+def emulate_chunk_dstates(q, k, w, do, gcum, cu, offsets, dht, dh_out, dh0, scale, use_dht, store_dh0):
     Hv, D = w.shape[1], w.shape[2]
     hk = _qk_heads(q.shape[1], Hv)
     chunks = list(_chunks(cu))
@@ -144,7 +144,7 @@ def emulate_chunk_dstates(q, k, w, dos, gcum, cu, offsets, dht, dh_out, dh0, use
         dS = _start_state(dht, n, use_dht, Hv, D)
         for _, c, t0, rows in reversed([ch for ch in chunks if ch[0] == n]):
             _, gamma, Gamma, gamma_last, to_end = _gates(gcum, t0, rows)
-            Q, K, dOs = _rows(q, t0, rows, hk), _rows(k, t0, rows, hk), _rows(dos, t0, rows)
+            Q, K, dOs = _rows(q, t0, rows, hk), _rows(k, t0, rows, hk), scale * _rows(do, t0, rows)
             dh_out[offsets[n] + c] = dS.to(dh_out.dtype)
             P = Gamma * (Q @ K.transpose(-1, -2))
             X = P.transpose(-1, -2) @ dOs + to_end[:, :, None] * (K @ dS)
@@ -154,7 +154,8 @@ def emulate_chunk_dstates(q, k, w, dos, gcum, cu, offsets, dht, dh_out, dh0, use
             dh0[n * Hv:(n + 1) * Hv] = dS.to(dh0.dtype)
 
 
-def emulate_chunk_bwd_local(q, k, v, dos, A, gcum, beta, h, dh, cu, offsets, dq, dk, dv, dg, dbeta, search_steps):
+def emulate_chunk_bwd_local(q, k, v, do, A, gcum, beta, h, dh, cu, offsets, dq, dk, dv, dg, dbeta, scale,
+                            search_steps):
     """reference.chunk_backward per chunk on its zero-padded rows (the kernel's masking), dg summed."""
     from flashqla.ops import reference
 
@@ -163,7 +164,7 @@ def emulate_chunk_bwd_local(q, k, v, dos, A, gcum, beta, h, dh, cu, offsets, dq,
         one = lambda t, heads=None: _rows(t, t0, rows, heads)[None, None]  # noqa: E731  [1, 1, Hv, C, ...]
         gc = _gates(gcum, t0, rows)[0][None, None]
         x = reference.ChunkInputs(one(q, hk), one(k, hk), one(v), gc, one(beta), one(A), reference.decay_factors(gc))
-        b = reference.backward_terms(x, one(dos), 1.0)
+        b = reference.backward_terms(x, one(do), scale)
         slot = offsets[n] + c
         gq, gk, gv, ggc, gbeta = reference.chunk_backward(x, b, h[slot].double()[None, None], dh[slot].double()[None, None])
         for out, grad in ((dq, gq), (dk, gk), (dv, gv), (dbeta, gbeta)):

@@ -363,8 +363,8 @@ def test_backward_releases_the_walk_operands_before_the_chunk_local_kernel(hoppe
     args, cu = call([130, 1, 64], Hqk=1, Hv=2, seed=11)
     x = launch.prepare(*(args[n] for n in NAMES), cu, store_a=True)
     do = torch.randn(args["v"].shape, generator=torch.Generator().manual_seed(12)).bfloat16()
-    dos = backward.scaled_output_gradient(x, do, 128 ** -0.5)
-    *grads, _ = backward.backward_of(x, *(args[n] for n in NAMES), dos, args["initial_state"], None)
+    *grads, _ = backward.backward_of(x, *(args[n] for n in NAMES), backward.output_gradient(x, do), 128 ** -0.5,
+                                     args["initial_state"], None)
     assert seen["w_u"] == (None, None)
     *ref, _ = hopper.chunk_gdn_bwd(*(args[n] for n in NAMES), 128 ** -0.5, args["initial_state"], cu, do, None)
     assert all(torch.equal(a, b) for a, b in zip(grads, ref))

@@ -225,7 +225,8 @@ class BackwardPrologue:
     packed: list
     x: object
     starts: tuple  # (S_{j,0}, M_j, exact)
-    dos: torch.Tensor
+    do: torch.Tensor  # as the kernels read it (hopper.output_gradient)
+    scale: float
     D: torch.Tensor
     shapes: tuple
     has_h0: bool
@@ -243,9 +244,9 @@ def backward_prologue(hopper, q, k, v, g, beta, scale, initial_state, plan: Segm
     if starts is None:  # not kept by the forward: recomputed, as the forward computed them
         S_star, M, exact = _segment_summaries(hopper, x, idx, cp_warmup, initial_state is not None, dht_given)
         starts = (_chain(hopper, S_star, M, exact, idx, initial_state), M, exact)
-    dos = hopper.scaled_output_gradient(x, do, scale)
-    _, D = hopper.state_gradients(x, dos, None)
-    return BackwardPrologue(idx, packed, x, starts, dos, D, tuple(t.shape for t in (q, k, v, g, beta)),
+    do = hopper.output_gradient(x, do)
+    _, D = hopper.state_gradients(x, do, scale, None)
+    return BackwardPrologue(idx, packed, x, starts, do, scale, D, tuple(t.shape for t in (q, k, v, g, beta)),
                             initial_state is not None)
 
 
@@ -257,7 +258,7 @@ def backward_finish(hopper, pro: BackwardPrologue, dht):
         X = pro.exits_without_dht
     else:
         X = exit_gradients(hopper, pro.D, M, exact, pro.idx, dht)
-    *grads, dS0 = hopper.backward_of(pro.x, *pro.packed, pro.dos, S0, X)
+    *grads, dS0 = hopper.backward_of(pro.x, *pro.packed, pro.do, pro.scale, S0, X)
     grads = [grad.view(shape) for grad, shape in zip(grads, pro.shapes)]
     return (*grads, dS0[pro.idx.first] if pro.has_h0 else None)
 

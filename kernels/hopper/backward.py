@@ -5,10 +5,10 @@
     chunk_dstates         the reverse walk: the gradient of the state leaving every chunk, and dS0
     chunk_bwd_local       every chunk at once: dq, dk (per v-head), dv, dg, dbeta from those two
 
-Nothing of the forward is saved but its inputs. Host work: dOs = scale dO, the GQA sums of dq and dk
-(per v-head in the input dtype, summed with fp32 accumulation), and casts of dg and dbeta. Sequences of
-any length, GQA, initial state and dht as in the forward.
-Intra-card CP (flashqla/cp/segments.py) runs the same steps with its segments as the sequences.
+Nothing of the forward is saved but its inputs. The kernels read dO as given and apply the output scale
+themselves. Host work: the GQA sums of dq and dk (per v-head in the input dtype, summed with fp32
+accumulation), and casts of dg and dbeta. Sequences of any length, GQA, initial state and dht as in the
+forward. Intra-card CP (flashqla/cp/segments.py) runs the same steps with its segments as the sequences.
 """
 from __future__ import annotations
 
@@ -17,46 +17,48 @@ import torch
 from .launch import HEAD_DIM, ChunkedCall, block_v_on, compiled_chunk_bwd_local, compiled_chunk_dstates, prepare, walk
 
 
-def scaled_output_gradient(x: ChunkedCall, do: torch.Tensor, scale: float) -> torch.Tensor:
-    """dOs = scale dO as the kernels read it: [T, Hv, 128] in the input dtype."""
-    return (do.reshape(x.w.shape) * scale).to(x.w.dtype)
+def output_gradient(x: ChunkedCall, do: torch.Tensor) -> torch.Tensor:
+    """dO as the kernels read it: [T, Hv, 128] in the input dtype (a view when it already is; the output
+    scale is applied inside the kernels)."""
+    return do.reshape(x.w.shape).to(x.w.dtype).contiguous()
 
 
-def state_gradients(x: ChunkedCall, dos: torch.Tensor, dht):
-    """chunk_dstates over every sequence of `x` from dht (fp32 [N, Hv, 128, 128], or None for zero):
-    (dh [chunk_slots, Hv, 128, 128] in the input dtype, dS0 fp32 [N, Hv, 128, 128])."""
+def state_gradients(x: ChunkedCall, do: torch.Tensor, scale: float, dht):
+    """chunk_dstates over every sequence of `x` from dO (`output_gradient`) with the output scale and dht
+    (fp32 [N, Hv, 128, 128], or None for zero): (dh [chunk_slots, Hv, 128, 128] in the input dtype,
+    dS0 fp32 [N, Hv, 128, 128])."""
     N, Hv, device, D = x.num_seqs, x.num_v_heads, x.q.device, HEAD_DIM
     dh = torch.empty(x.chunk_slots, Hv, D, D, dtype=x.w.dtype, device=device)
     placeholder = torch.empty(1, D, D, dtype=torch.float32, device=device)
     dht_arg = placeholder if dht is None else dht.float().reshape(N * Hv, D, D).contiguous()
     dS0 = torch.empty(N, Hv, D, D, dtype=torch.float32, device=device)
     compiled_chunk_dstates(x.dtype, block_v_on(device, N, Hv))(
-        x.q, x.k, x.w, dos, x.gcum, x.cu, x.offsets, dht_arg, dh, dS0.view(N * Hv, D, D), int(dht is not None), 1)
+        x.q, x.k, x.w, do, x.gcum, x.cu, x.offsets, dht_arg, dh, dS0.view(N * Hv, D, D), scale, int(dht is not None), 1)
     return dh, dS0
 
 
-def backward_of(x: ChunkedCall, q, k, v, g, beta, dos, h0, dht):
-    """Gradients of the sequences of `x` (prepared with store_a) from dOs, their initial states h0 and the
-    gradients dht of their final states (fp32 [N, Hv, 128, 128] or None): (dq, dk, dv, dg, dbeta) shaped
-    and typed like q, k, v, g, beta, and dS0 fp32 [N, Hv, 128, 128]. Releases x's W and U once the two
-    walks have read them (`ChunkedCall.release_walk_operands`), and the per-chunk states before the
-    sums: T x Hv x 512 bytes less held at the chunk-local kernel, another T x Hv x 1 KB (h and dh) less
-    at the sums."""
+def backward_of(x: ChunkedCall, q, k, v, g, beta, do, scale, h0, dht):
+    """Gradients of the sequences of `x` (prepared with store_a) from dO (`output_gradient`) with the output
+    scale, their initial states h0 and the gradients dht of their final states (fp32 [N, Hv, 128, 128] or
+    None): (dq, dk, dv, dg, dbeta) shaped and typed like q, k, v, g, beta, and dS0 fp32 [N, Hv, 128, 128].
+    Releases x's W and U once the two walks have read them (`ChunkedCall.release_walk_operands`), and the
+    per-chunk states before the sums: T x Hv x 512 bytes less held at the chunk-local kernel, another
+    T x Hv x 1 KB (h and dh) less at the sums."""
     B, T, Hqk, D = q.shape
     Hv = v.shape[2]
     device = q.device
     h, _, _ = walk(x, h0, store_final=False)
-    dh, dS0 = state_gradients(x, dos, dht)
+    dh, dS0 = state_gradients(x, do, scale, dht)
     x.release_walk_operands()  # the chunk-local kernel reads neither W nor U
     # per v-head in the input dtype: half the bytes of fp32 written here and read by the GQA sums (and
     # T x Hv x 512 bytes less memory at the peak); the sums accumulate in fp32 and round once more
-    dq, dk = (torch.empty(B * T, Hv, D, dtype=dos.dtype, device=device) for _ in range(2))
-    dv = torch.empty(B * T, Hv, D, dtype=dos.dtype, device=device)
+    dq, dk = (torch.empty(B * T, Hv, D, dtype=do.dtype, device=device) for _ in range(2))
+    dv = torch.empty(B * T, Hv, D, dtype=do.dtype, device=device)
     dg = torch.empty(Hv, B * T, dtype=torch.float32, device=device)
     dbeta = torch.empty(B * T, Hv, dtype=torch.float32, device=device)
     compiled_chunk_bwd_local(x.dtype)(
-        x.q, x.k, v.reshape(B * T, Hv, D), dos, x.Ab, x.gcum, beta.reshape(B * T, Hv).float(), h, dh, x.cu,
-        x.offsets, dq, dk, dv, dg, dbeta, x.num_seqs.bit_length())
+        x.q, x.k, v.reshape(B * T, Hv, D), do, x.Ab, x.gcum, beta.reshape(B * T, Hv).float(), h, dh, x.cu,
+        x.offsets, dq, dk, dv, dg, dbeta, scale, x.num_seqs.bit_length())
     del h, dh  # the per-chunk states and their gradients, before the GQA sums allocate
 
     def qk_heads(dx):  # v-head h read k-head h // (Hv / Hqk): sum each group (torch accumulates in fp32)
@@ -73,7 +75,7 @@ def chunk_gdn_bwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht):
     [N, Hv, 128, 128] or None. dh0 is None without an initial state.
     """
     x = prepare(q, k, v, g, beta, cu_seqlens, store_a=True)
-    *grads, dS0 = backward_of(x, q, k, v, g, beta, scaled_output_gradient(x, do, scale), initial_state, dht)
+    *grads, dS0 = backward_of(x, q, k, v, g, beta, output_gradient(x, do), scale, initial_state, dht)
     return (*grads, None if initial_state is None else dS0.to(initial_state.dtype))
 
 
@@ -81,4 +83,4 @@ def entering_state_gradients(q, k, v, g, beta, scale, cu_seqlens, do):
     """dS0 of every sequence when the gradients of their final states are zero: the reverse walk alone
     (no state recompute, no chunk-local gradients); fp32 [N, Hv, 128, 128]. Inter-card CP's D_p."""
     x = prepare(q, k, v, g, beta, cu_seqlens)
-    return state_gradients(x, scaled_output_gradient(x, do, scale), None)[1]
+    return state_gradients(x, output_gradient(x, do), scale, None)[1]

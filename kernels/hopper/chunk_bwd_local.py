@@ -26,6 +26,9 @@ as wy_inverse does; in a partial last chunk the rows past the sequence end are z
 the reference's chunk grid. Outputs, rows that exist only: dq, dk, dv per v-head in the input dtype (the
 caller sums dq and dk over GQA groups, accumulating in fp32), dg [Hv, T] and dbeta in fp32.
 
+The kernel reads dO itself: every product with dO feeds an elementwise fp32 step (the Gamma mask, the
+gamma rows, E_P), where `scale` is applied, so no scaled copy of dO is made.
+
 256 threads; operands of the tensor-core products in the input dtype from shared memory, accumulators and
 the elementwise algebra in fp32. Column sums run as a serial loop over rows of a shared fp32 tile.
 """
@@ -63,7 +66,7 @@ def build_chunk_bwd_local(dtype: str):
         q: T.Tensor((num_tokens, num_qk_heads, D), dtype),
         k: T.Tensor((num_tokens, num_qk_heads, D), dtype),
         v: T.Tensor((num_tokens, num_v_heads, D), dtype),
-        dos: T.Tensor((num_tokens, num_v_heads, D), dtype),
+        do: T.Tensor((num_tokens, num_v_heads, D), dtype),
         A: T.Tensor((num_tokens, num_v_heads, C), dtype),
         gcum: T.Tensor((num_v_heads, num_tokens), "float32"),
         beta: T.Tensor((num_tokens, num_v_heads), "float32"),
@@ -76,6 +79,7 @@ def build_chunk_bwd_local(dtype: str):
         dv: T.Tensor((num_tokens, num_v_heads, D), dtype),
         dg: T.Tensor((num_v_heads, num_tokens), "float32"),
         dbeta: T.Tensor((num_tokens, num_v_heads), "float32"),
+        scale: T.float32,
         search_steps: T.int32,
     ):
         with T.Kernel(num_chunk_slots, num_v_heads, threads=256) as (chunk, hv):
@@ -121,7 +125,7 @@ def build_chunk_bwd_local(dtype: str):
                 # all seven tiles in flight at once (cp.async, bounds-checked), one wait
                 T.async_copy(q[t0:t0 + C, hk, 0:D], Q_s)
                 T.async_copy(k[t0:t0 + C, hk, 0:D], K_s)
-                T.async_copy(dos[t0:t0 + C, hv, 0:D], dO_s)
+                T.async_copy(do[t0:t0 + C, hv, 0:D], dO_s)
                 T.async_copy(v[t0:t0 + C, hv, 0:D], CD1_s)
                 T.async_copy(A[t0:t0 + C, hv, 0:C], A_s)
                 T.async_copy(h[chunk, hv, 0:D, 0:D], S_s)
@@ -156,11 +160,12 @@ def build_chunk_bwd_local(dtype: str):
                 T.gemm(GA_s, CD1_s, tmp, clear_accum=True)
                 T.copy(tmp, CD2_s)
 
-                # P = Gamma o Q K^T -> CC1 (and fp32 in P)
+                # P = Gamma o Q K^T (fp32 in P); CC1 <- scale P, so that CC1^T dO = P^T dOs
                 T.gemm(Q_s, K_s, P, transpose_B=True, clear_accum=True)
                 for r, s in T.Parallel(C, C):
                     P[r, s] = P[r, s] * T.if_then_else(r >= s, T.exp2(gc_sh[r] - gc_sh[s]), 0.0)
-                T.copy(P, CC1_s)
+                for r, s in T.Parallel(C, C):
+                    CC1_s[r, s] = P[r, s] * scale
 
                 # dV_new = P^T dOs + diag(gamma_last / gamma) K dS
                 T.gemm(K_s, dS_s, tmp, clear_accum=True)
@@ -169,8 +174,10 @@ def build_chunk_bwd_local(dtype: str):
                     dVn[r, j] = dVn[r, j] + T.exp2(gc_sh[C - 1] - gc_sh[r]) * tmp[r, j]
                 T.copy(dVn, dVn_s)
 
-                # dP = dOs V_new^T; E_P = dP o P; CC1 <- dP o Gamma
+                # dP = dOs V_new^T = scale dO V_new^T; E_P = dP o P; CC1 <- dP o Gamma
                 T.gemm(dO_s, CD2_s, CC, transpose_B=True, clear_accum=True)
+                for r, s in T.Parallel(C, C):
+                    CC[r, s] = CC[r, s] * scale
                 for r, s in T.Parallel(C, C):
                     E[r, s] = CC[r, s] * P[r, s]
                 for r, s in T.Parallel(C, C):
@@ -180,7 +187,7 @@ def build_chunk_bwd_local(dtype: str):
                 # dq = diag(gamma) dOs S^T + (dP o Gamma) K
                 T.gemm(dO_s, S_s, acc, transpose_B=True, clear_accum=True)
                 for r, j in T.Parallel(C, D):
-                    acc[r, j] = acc[r, j] * T.exp2(gc_sh[r])
+                    acc[r, j] = acc[r, j] * (T.exp2(gc_sh[r]) * scale)
                 T.gemm(CC1_s, K_s, acc)
                 for r, j in T.Parallel(C, D):
                     if r < n_rows:
@@ -189,7 +196,7 @@ def build_chunk_bwd_local(dtype: str):
                 # dgc += rowsum(dOs o diag(gamma) Q S)
                 T.gemm(Q_s, S_s, tmp, clear_accum=True)
                 for r, j in T.Parallel(C, D):
-                    tmp[r, j] = T.exp2(gc_sh[r]) * tmp[r, j] * dO_s[r, j]
+                    tmp[r, j] = (T.exp2(gc_sh[r]) * scale) * tmp[r, j] * dO_s[r, j]
                 T.reduce_sum(tmp, rows, dim=1)
                 for r in T.Parallel(C):
                     dgc_acc[r] = dgc_acc[r] + rows[r]

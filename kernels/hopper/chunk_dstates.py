@@ -14,6 +14,9 @@ chunk's slot chunk_offsets[n] + c) and at the end dS0, the gradient of the initi
 Sequences of any length: in a sequence's last, partial chunk the gates past its end repeat the last
 one (factor 1) and the rows past its end are masked out of P, dOs and dV' (they hold the next
 sequence's tokens, or zeros past the tensor end: the tile copies are bounds-checked).
+
+The kernel reads dO itself and applies `scale` in fp32 where dO enters the algebra (on the masked P and
+on gamma dO, both formed elementwise anyway), so no scaled copy of dO is made.
 """
 import tilelang.language as T
 
@@ -37,26 +40,26 @@ def build_chunk_dstates(dtype: str, block_v: int):
     C, D, BV = CHUNK, HEAD_DIM, block_v
 
     @T.macro
-    def load_chunk(q, k, w, dos, gcum, t0, hk, h, v0, Q_s, K_s, W_s, dO_s, graw_s):
+    def load_chunk(q, k, w, do, gcum, t0, hk, h, v0, Q_s, K_s, W_s, dO_s, graw_s):
         T.async_copy(q[t0:t0 + C, hk, 0:D], Q_s)
         T.async_copy(k[t0:t0 + C, hk, 0:D], K_s)
         T.async_copy(w[t0:t0 + C, h, 0:D], W_s)
-        T.async_copy(dos[t0:t0 + C, h, v0:v0 + BV], dO_s)
+        T.async_copy(do[t0:t0 + C, h, v0:v0 + BV], dO_s)
         T.async_copy(gcum[h, t0:t0 + C], graw_s)
 
     @T.macro
-    def chunk_step(dh_out, chunk_index, n_rows, h, v0, Q_s, K_s, W_s, dO_s, graw_s, gc_sh, dS_sh, X_sh, dOg_sh,
+    def chunk_step(dh_out, chunk_index, n_rows, h, v0, scale, Q_s, K_s, W_s, dO_s, graw_s, gc_sh, dS_sh, X_sh, dOg_sh,
                    P_sh, dS, KdS, P):
         last = n_rows - 1
         for r in T.Parallel(C):
             gc_sh[r] = graw_s[T.min(r, last)] * LOG2E
         T.copy(dS_sh, dh_out[chunk_index, h, 0:D, v0:v0 + BV])
 
-        # P = Gamma o Q K^T over the rows that exist (no state: off the serial chain)
+        # scale (Gamma o Q K^T) over the rows that exist (no state: off the serial chain); with it P^T dO = P^T dOs
         T.gemm(Q_s, K_s, P, transpose_B=True, clear_accum=True)
         for r, s in T.Parallel(C, C):
-            P_sh[r, s] = T.if_then_else(r < n_rows, T.if_then_else(r >= s, P[r, s] * T.exp2(gc_sh[r] - gc_sh[s]), 0.0),
-                                        0.0)
+            P_sh[r, s] = T.if_then_else(r < n_rows, T.if_then_else(
+                r >= s, P[r, s] * T.exp2(gc_sh[r] - gc_sh[s]) * scale, 0.0), 0.0)
 
         # dV' = P^T dOs + diag(gamma_last / gamma) K dS, kept negated for the W^T product
         T.gemm(K_s, dS_sh, KdS, clear_accum=True)
@@ -65,7 +68,7 @@ def build_chunk_dstates(dtype: str, block_v: int):
         T.gemm(P_sh, dO_s, KdS, transpose_A=True)
         for r, j in T.Parallel(C, BV):
             X_sh[r, j] = T.if_then_else(r < n_rows, -KdS[r, j], 0.0)
-            dOg_sh[r, j] = T.if_then_else(r < n_rows, dO_s[r, j] * T.exp2(gc_sh[r]), 0.0)
+            dOg_sh[r, j] = T.if_then_else(r < n_rows, dO_s[r, j] * (T.exp2(gc_sh[r]) * scale), 0.0)
 
         # dS = gamma_last dS + (gamma Q)^T dOs - W^T dV'
         for i, j in T.Parallel(D, BV):
@@ -79,13 +82,14 @@ def build_chunk_dstates(dtype: str, block_v: int):
         q: T.Tensor((num_tokens, num_qk_heads, D), dtype),
         k: T.Tensor((num_tokens, num_qk_heads, D), dtype),
         w: T.Tensor((num_tokens, num_v_heads, D), dtype),
-        dos: T.Tensor((num_tokens, num_v_heads, D), dtype),
+        do: T.Tensor((num_tokens, num_v_heads, D), dtype),
         gcum: T.Tensor((num_v_heads, num_tokens), "float32"),
         cu_seqlens: T.Tensor((num_seqs + 1,), "int32"),
         chunk_offsets: T.Tensor((num_seqs + 1,), "int32"),
         dht: T.Tensor((num_dht, D, D), "float32"),
         dh_out: T.Tensor((num_chunk_slots, num_v_heads, D, D), dtype),
         dh0: T.Tensor((num_dh0, D, D), "float32"),
+        scale: T.float32,
         use_dht: T.int32,
         store_dh0: T.int32,
     ):
@@ -120,7 +124,7 @@ def build_chunk_dstates(dtype: str, block_v: int):
                 T.clear(dS)
             T.copy(dS, dS_sh)
             last_t0 = bos + (num_chunks - 1) * C
-            load_chunk(q, k, w, dos, gcum, last_t0, hk, h, v0, Q0, K0, W0, dO0, graw0)
+            load_chunk(q, k, w, do, gcum, last_t0, hk, h, v0, Q0, K0, W0, dO0, graw0)
 
             for i in T.serial(num_chunks):
                 c = num_chunks - 1 - i
@@ -128,21 +132,21 @@ def build_chunk_dstates(dtype: str, block_v: int):
                 n_rows = T.min(C, eos - bos - c * C)  # < C only in the last chunk (i == 0)
                 if i % 2 == 0:
                     if i + 1 < num_chunks:
-                        load_chunk(q, k, w, dos, gcum, bos + (c - 1) * C, hk, h, v0, Q1, K1, W1, dO1, graw1)
+                        load_chunk(q, k, w, do, gcum, bos + (c - 1) * C, hk, h, v0, Q1, K1, W1, dO1, graw1)
                         T.ptx_wait_group(5)
                     else:
                         T.ptx_wait_group(0)
                     T.sync_threads()
-                    chunk_step(dh_out, chunk_index, n_rows, h, v0, Q0, K0, W0, dO0, graw0, gc_sh, dS_sh, X_sh,
+                    chunk_step(dh_out, chunk_index, n_rows, h, v0, scale, Q0, K0, W0, dO0, graw0, gc_sh, dS_sh, X_sh,
                                dOg_sh, P_sh, dS, KdS, P)
                 else:
                     if i + 1 < num_chunks:
-                        load_chunk(q, k, w, dos, gcum, bos + (c - 1) * C, hk, h, v0, Q0, K0, W0, dO0, graw0)
+                        load_chunk(q, k, w, do, gcum, bos + (c - 1) * C, hk, h, v0, Q0, K0, W0, dO0, graw0)
                         T.ptx_wait_group(5)
                     else:
                         T.ptx_wait_group(0)
                     T.sync_threads()
-                    chunk_step(dh_out, chunk_index, n_rows, h, v0, Q1, K1, W1, dO1, graw1, gc_sh, dS_sh, X_sh,
+                    chunk_step(dh_out, chunk_index, n_rows, h, v0, scale, Q1, K1, W1, dO1, graw1, gc_sh, dS_sh, X_sh,
                                dOg_sh, P_sh, dS, KdS, P)
                 T.sync_threads()
 
