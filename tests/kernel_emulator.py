@@ -172,6 +172,12 @@ def emulate_chunk_bwd_local(q, k, v, do, A, gcum, beta, h, dh, cu, offsets, dq, 
         dg[:, t0:t0 + rows] = reference.gate_gradient(ggc)[0, 0, :, :rows].to(dg.dtype)
 
 
+def emulate_gqa_sum(dq, dk, dq_out, dk_out):
+    """Each k-head's group of v-head rows summed in fp32, rounded once."""
+    for src, dst in ((dq, dq_out), (dk, dk_out)):
+        dst.copy_(src.float().sum(1).to(dst.dtype))
+
+
 def emulate_segment_chain(out, bias, mats, mask, first_rows, last_rows, num_heads, reverse):
     for first, last in zip(first_rows.tolist(), last_rows.tolist()):
         rows = range(last - 1, first - 1, -1) if reverse else range(first + 1, last + 1)
@@ -196,6 +202,7 @@ def install(monkeypatch):
         "compiled_fused_fwd": lambda dtype, block_v: emulate_fused_fwd,
         "compiled_chunk_dstates": lambda dtype, block_v: emulate_chunk_dstates,
         "compiled_chunk_bwd_local": lambda dtype: emulate_chunk_bwd_local,
+        "compiled_gqa_sum": lambda dtype: emulate_gqa_sum,
         "compiled_segment_chain": lambda: emulate_segment_chain,
     }
     for module in (launch, backward):

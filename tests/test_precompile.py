@@ -28,9 +28,10 @@ REPO = Path(__file__).resolve().parents[1]
 SHARED_CACHE = REPO / ".tilelang_cache"
 DTYPE = "bfloat16"
 EXPECTED = {f"{builder.__name__}{args}" for builder, args in kernel_configs((DTYPE,))}
-# the GDN kernels with tensor-core products (the segment chain runs fp32 on CUDA cores, like the layer ops)
+# the GDN kernels with tensor-core products (the segment chain runs fp32 on CUDA cores, like the layer ops;
+# the GQA sums stream)
 GDN_KERNELS = {f"{builder.__name__}{args}" for builder, args in launch.kernel_configs((DTYPE,))
-               if builder is not launch.compiled_segment_chain}
+               if builder not in (launch.compiled_segment_chain, launch.compiled_gqa_sum)}
 RACERS = 8  # ranks of one node starting at once
 
 REFUSE_COMPILING = """

@@ -1,20 +1,21 @@
-"""Backward of GDN chunked prefill on SM90: four kernels over the forward's flat token layout.
+"""Backward of GDN chunked prefill on SM90: five kernels over the forward's flat token layout.
 
     wy_inverse (store_a)  A (without beta), W, U and the chunk-local cumulative gates, recomputed
     chunk_states          the state entering every chunk (input dtype), the forward's walk again
     chunk_dstates         the reverse walk: the gradient of the state leaving every chunk, and dS0
     chunk_bwd_local       every chunk at once: dq, dk (per v-head), dv, dg, dbeta from those two
+    gqa_sum               dq and dk summed over each GQA group (fp32 accumulation), both in one launch
 
 Nothing of the forward is saved but its inputs. The kernels read dO as given and apply the output scale
-themselves. Host work: the GQA sums of dq and dk (per v-head in the input dtype, summed with fp32
-accumulation), and casts of dg and dbeta. Sequences of any length, GQA, initial state and dht as in the
+themselves; the host casts dg and dbeta. Sequences of any length, GQA, initial state and dht as in the
 forward. Intra-card CP (flashqla/cp/segments.py) runs the same steps with its segments as the sequences.
 """
 from __future__ import annotations
 
 import torch
 
-from .launch import HEAD_DIM, ChunkedCall, block_v_on, compiled_chunk_bwd_local, compiled_chunk_dstates, prepare, walk
+from .launch import (HEAD_DIM, ChunkedCall, block_v_on, compiled_chunk_bwd_local, compiled_chunk_dstates,
+                     compiled_gqa_sum, prepare, walk)
 
 
 def output_gradient(x: ChunkedCall, do: torch.Tensor) -> torch.Tensor:
@@ -61,10 +62,12 @@ def backward_of(x: ChunkedCall, q, k, v, g, beta, do, scale, h0, dht):
         x.offsets, dq, dk, dv, dg, dbeta, scale, x.num_seqs.bit_length())
     del h, dh  # the per-chunk states and their gradients, before the GQA sums allocate
 
-    def qk_heads(dx):  # v-head h read k-head h // (Hv / Hqk): sum each group (torch accumulates in fp32)
-        return dx.view(B, T, Hqk, D) if Hv == Hqk else dx.view(B, T, Hqk, Hv // Hqk, D).sum(3)
-
-    return (qk_heads(dq).to(q.dtype), qk_heads(dk).to(k.dtype), dv.view(v.shape).to(v.dtype),
+    if Hv != Hqk:  # v-head h read k-head h // (Hv / Hqk): sum each group, accumulating in fp32
+        group = Hv // Hqk
+        dq_sum, dk_sum = (torch.empty(B * T * Hqk, D, dtype=dq.dtype, device=device) for _ in range(2))
+        compiled_gqa_sum(x.dtype)(dq.view(-1, group, D), dk.view(-1, group, D), dq_sum, dk_sum)
+        dq, dk = dq_sum, dk_sum
+    return (dq.view(q.shape).to(q.dtype), dk.view(k.shape).to(k.dtype), dv.view(v.shape).to(v.dtype),
             dg.t().reshape(g.shape).to(g.dtype), dbeta.view(beta.shape).to(beta.dtype), dS0)
 
 

@@ -77,6 +77,12 @@ def compiled_chunk_bwd_local(dtype: str):
 
 
 @functools.lru_cache(maxsize=None)
+def compiled_gqa_sum(dtype: str):
+    """The compiled GQA sums of dq and dk (gqa_sum.py) for `dtype`."""
+    return compile_from("gqa_sum", "build_gqa_sum", f"gqa_sum({dtype})", dtype)
+
+
+@functools.lru_cache(maxsize=None)
 def compiled_segment_chain():
     """The compiled fp32 chain over intra-card CP segments (segment_chain.py)."""
     return compile_from("segment_chain", "build_segment_chain", "segment_chain()")
@@ -92,6 +98,7 @@ def kernel_configs(dtypes=KERNEL_DTYPES):
         yield compiled_wy_inverse, (dtype,)
         yield compiled_chunk_output, (dtype,)
         yield compiled_chunk_bwd_local, (dtype,)
+        yield compiled_gqa_sum, (dtype,)
         for block_v in BLOCK_V_CHOICES:
             yield compiled_fused_fwd, (dtype, block_v)
             yield compiled_chunk_states, (dtype, block_v)

@@ -145,3 +145,20 @@ def test_fla_options_on_the_kernel_path_against_the_float64_torch_backend(poison
     errors = {n: rel_err(got[n], ref[n]) for n in ref}
     bad = {n: f"{e:.2e}" for n, e in errors.items() if not e <= tol[n]}
     assert not bad, f"over threshold with FLA's options: {bad} (all: { {n: f'{e:.1e}' for n, e in errors.items()} })"
+
+
+@pytest.mark.parametrize("group", [2, 3, 4, 8])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gqa_sum_kernel_is_the_fp32_sum_rounded_once(group, dtype):
+    """gqa_sum (dq and dk per v-head -> per k-head) on row counts that leave a partial last block: every row
+    is its group's sum in fp32 rounded once (sums of a few 16-bit values are exact in fp32, so any order
+    gives the same bits); outputs start as NaN so an unwritten row shows."""
+    from flashqla.kernels.hopper import launch
+
+    gen = torch.Generator(device="cuda").manual_seed(group)
+    for rows in (1, 31, 33, 4099):
+        dq, dk = (torch.randn(rows, group, D, generator=gen, device="cuda").to(dtype) for _ in range(2))
+        dq_out, dk_out = (torch.full((rows, D), float("nan"), dtype=dtype, device="cuda") for _ in range(2))
+        launch.compiled_gqa_sum(launch._TORCH_TO_TL[dtype])(dq, dk, dq_out, dk_out)
+        assert torch.equal(dq_out, dq.float().sum(1).to(dtype)), (group, rows)
+        assert torch.equal(dk_out, dk.float().sum(1).to(dtype)), (group, rows)
