@@ -8,9 +8,9 @@ CP all-to-all helpers. It changes four things:
 * the kernel: `self.gated_delta_rule` is rebound (in Megatron's `_setup_variant_attrs` hook) to
   `flashqla.chunk_gated_delta_rule`;
 * q/k preparation: no `repeat_interleave` to the v-head count (flashqla reads k-head h // (Hv/Hk)
-  natively, the same mapping Megatron's repeat produces) and no separate L2 norm pass: the kernel
-  normalises q and k itself (`use_qk_l2norm_in_kernel`, eps 1e-6, FLA's convention), which on GPU
-  saves two memory passes over q and k and keeps only the inverse norms for backward;
+  natively, the same mapping Megatron's repeat produces); q and k are L2-normalised by the op
+  (`use_qk_l2norm_in_kernel`, eps 1e-6, FLA's convention; `flashqla.ops.qk_norm`: the fp32 torch chain,
+  or one fused SM90 kernel each way with FLASHQLA_FUSED_L2NORM=1);
 * the causal conv: flashqla's per-sequence conv (`flashqla.layers.conv`) instead of FLA's Triton
   conv, so the module builds and runs without FLA installed and handles packed sequences on any
   device (Megatron's deterministic-mode `F.conv1d` cannot see `cu_seqlens`); with SiLU and no conv
@@ -123,7 +123,7 @@ class GatedDeltaNet(MegatronGatedDeltaNet):
 
     def _flashqla_gated_delta_rule(self, q, k, v, g, beta, cu_seqlens=None, cp_context=None):
         """Megatron's kernel contract (bshd q/k/v, fp32 g, no initial or final state), with q/k at
-        their own head count and L2-normalised in the kernel when `use_qk_l2norm` is set. With a
+        their own head count and L2-normalised by the op when `use_qk_l2norm` is set. With a
         `cp_context` the sequence layout is the context's (cu_seqlens must be None)."""
         return flashqla.chunk_gated_delta_rule(
             q, k, v, g, beta,

@@ -1,4 +1,4 @@
 from .chunk import chunk_gated_delta_rule, chunk_gdn
-from .options import l2norm
+from .qk_norm import l2norm
 
 __all__ = ["chunk_gated_delta_rule", "chunk_gdn", "l2norm"]

@@ -23,14 +23,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from .qk_norm import l2norm
+
 _KEYWORDS = ("chunk_size", "use_gate_in_kernel", "A_log", "dt_bias", "transpose_state_layout", "head_first")
 CHUNK_SIZE = 64
-
-
-def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """x / sqrt(sum(x^2) + eps) over the head dim, computed in fp32 (the FLA / HF convention)."""
-    xf = x.float() if x.dtype != torch.float64 else x
-    return (xf * torch.rsqrt(xf.square().sum(-1, keepdim=True) + eps)).to(x.dtype)
 
 
 def qwen3_next_gate(a: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor | None) -> torch.Tensor:

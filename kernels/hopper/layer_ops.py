@@ -1,5 +1,6 @@
 """Host side of the fused layer-op kernels: the GDN layer's short conv (short_conv.py) and gated RMSNorm
-(gated_norm.py). Compile cache per configuration, launch-grid choices, the launches.
+(gated_norm.py), and the q/k L2 norm (l2_norm.py). Compile cache per configuration, launch-grid choices,
+the launches.
 
 Tensors reach these functions already checked, contiguous and in kernel layout (flashqla/layers/fused.py
 does that and the autograd). Nothing here imports tilelang at import time.
@@ -50,6 +51,16 @@ def compiled_gated_norm_bwd(dtype: str, head_dim: int):
     return compile_from("gated_norm", "build_gated_norm_bwd", f"gated_norm_bwd({dtype}, {head_dim})", dtype, head_dim)
 
 
+@functools.lru_cache(maxsize=None)
+def compiled_l2norm_fwd(dtype: str):
+    return compile_from("l2_norm", "build_l2norm_fwd", f"l2norm_fwd({dtype})", dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def compiled_l2norm_bwd(dtype: str):
+    return compile_from("l2_norm", "build_l2norm_bwd", f"l2norm_bwd({dtype})", dtype)
+
+
 def kernel_configs(dtypes=LAYER_DTYPES):
     """Every (kernel, args) pair the layer ops can choose for TileLang dtypes `dtypes` (all sizes are runtime)."""
     for dtype in dtypes:
@@ -58,6 +69,8 @@ def kernel_configs(dtypes=LAYER_DTYPES):
         for head_dim in NORM_HEAD_DIMS:
             yield compiled_gated_norm_fwd, (dtype, head_dim)
             yield compiled_gated_norm_bwd, (dtype, head_dim)
+        yield compiled_l2norm_fwd, (dtype,)
+        yield compiled_l2norm_bwd, (dtype,)
 
 
 def conv_vec(dtype: torch.dtype) -> int:
@@ -128,3 +141,18 @@ def gated_norm_bwd(o, z, weight, dy, eps: float, round_product: bool):
     compiled_gated_norm_bwd(TORCH_TO_TL[o.dtype], D)(o, z, weight, dy, do, dz, dw_part, float(eps),
                                                      int(round_product), per_cta)
     return do, dz, dw_part.sum(0)
+
+
+def l2norm_fwd(x, eps: float):
+    """(y [R, 128] in x's dtype, rstd fp32 [R]) for x [R, 128], R > 0."""
+    y = _empty(x)
+    rstd = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
+    compiled_l2norm_fwd(TORCH_TO_TL[x.dtype])(x, y, rstd, float(eps))
+    return y, rstd
+
+
+def l2norm_bwd(x, dy, rstd):
+    """dx [R, 128] in x's dtype of l2norm_fwd given dy and its rstd."""
+    dx = _empty(x)
+    compiled_l2norm_bwd(TORCH_TO_TL[x.dtype])(x, dy, rstd, dx)
+    return dx

@@ -109,6 +109,26 @@ def test_gated_norm_rows_of_zeros_stay_finite(poisoned_outputs):
     assert all(t.isfinite().all() for t in (y, do, dz, dw))
 
 
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+def test_fused_l2norm_matches_autograd_of_the_torch_chain(poisoned_outputs, monkeypatch, dtype):
+    """q/k L2 norm (flashqla/ops/qk_norm.py, opt-in) on 1000 x 3 rows of a strided view (no multiple of
+    the row block); a zero row stays finite (its scale is rsqrt(eps))."""
+    from flashqla.ops import qk_norm
+
+    monkeypatch.setenv(qk_norm.ENV, "1")
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    x = torch.randn(1000, 3, 2 * 128, generator=gen, device="cuda").to(dtype)[..., :128].requires_grad_(True)
+    with torch.no_grad():
+        x[11].zero_()
+    dy = torch.randn(x.shape, generator=gen, device="cuda").to(dtype)
+    assert qk_norm.fused_unsupported_reason(x) is None
+    (y,), (dx,) = grads_of(lambda: (qk_norm.l2norm(x),), (x,), (dy,))
+    (y_ref,), (dx_ref,) = grads_of(lambda: (qk_norm.l2norm_reference(x),), (x,), (dy,))
+    out_tol, grad_tol = TOL[dtype]
+    assert y.dtype == dtype and dx.dtype == dtype and y.isfinite().all() and dx.isfinite().all()
+    assert rel_err(y, y_ref) <= out_tol and rel_err(dx, dx_ref) <= grad_tol, (rel_err(y, y_ref), rel_err(dx, dx_ref))
+
+
 # the layer: head dims 64 keep the chunk op on its torch backend (the kernels need 128), so the two
 # runs differ only by the fused conv and norm
 LAYER_TOL = {torch.float32: (1e-5, 1e-4), torch.bfloat16: (5e-3, 2e-2)}
