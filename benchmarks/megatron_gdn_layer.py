@@ -116,6 +116,19 @@ def run(layer, x, grad_out, packed):
     return out.detach(), x.grad, {n: p.grad.detach().clone() for n, p in layer.named_parameters()}
 
 
+def profile_table(step, rows: int) -> str:
+    """torch.profiler's table of `step` (after a warm-up call): the `rows` ops with the most CUDA time, with
+    their host (CPU) time next to it, so host-bound ops show."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows, max_name_column_width=60)
+
+
 def rel_err(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
 
@@ -130,6 +143,8 @@ def main():
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--no-fla", action="store_true", help="leave out Megatron's FLA layer (minutes of FLA compiles)")
     ap.add_argument("--cpu", action="store_true", help="dry run on gloo, fp64, flashqla's torch backend")
+    ap.add_argument("--profile", type=int, default=0, metavar="N",
+                    help="also print each layer's N most expensive ops of one fwd+bwd (torch.profiler, CUDA time)")
     args = ap.parse_args()
     if args.cpu:
         from flashqla.megatron.cpu_shim import install_cpu_shim
@@ -191,6 +206,9 @@ def main():
         forward_backward(layer)
         times[name] = (eager_median_ms(lambda: forward(layer), args.reps),
                        eager_median_ms(lambda: forward_backward(layer), args.reps))
+    for name, layer in ({} if args.cpu or not args.profile else layers).items():
+        say(f"== {name}: one fwd+bwd under torch.profiler, by CUDA time")
+        say(profile_table(lambda: forward_backward(layer), args.profile))
     for name, (f, fb) in times.items():
         say(f"  {name:<13} fwd {f:7.3f} ms   fwd+bwd {fb:7.3f} ms")
     if "megatron+fla" in times:
