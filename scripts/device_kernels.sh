@@ -5,7 +5,8 @@
 #   tests: tests/gpu (first-call latency only with TESTS_FIRST_CALL=1: it JIT-compiles in fresh processes for minutes)
 #   bench: bench_gdn.py (pass e.g. --cp-sweep 32,64,128,256 --flashqla-configs none)
 #   profile: profile_gdn.py step (PROFILE_ARGS) and first-call in a fresh process on an empty cache
-#   layer: megatron_gdn_layer.py, Megatron's FLA GDN layer vs flashqla's (parity and time, 1 GPU)
+#   layer: megatron_gdn_layer.py, Megatron's FLA GDN layer vs flashqla's (parity and time, 1 GPU; LAYER_ARGS, e.g.
+#          --profile 20), then flashqla's with the fused q/k L2 norm on, after its GPU test
 #   bwd:   bench_bwd.py (BWD_ARGS, e.g. --quick), flashqla vs FLA (FlashQLA's backward JIT-compiles for minutes: left out)
 #   walks: bench_walks.py, the two serial walks at every V tile width (calibrates launch.block_v_for)
 set -uo pipefail
@@ -73,8 +74,15 @@ if [[ $what == profile || $what == all ]]; then
 fi
 
 if [[ $what == layer || $what == all ]]; then
-  NCCL_NVLS_ENABLE=0 timeout 300 python3 -m torch.distributed.run --standalone --nproc-per-node 1 \
-    benchmarks/megatron_gdn_layer.py 2>&1 | tee "$OUT/megatron_layer.log" | grep -v "Warning\|warn" | tail -30
+  # the fused q/k L2 norm is opt-in until its GPU test passes (flashqla/ops/qk_norm.py): test it, then time
+  # the layer with it off (against Megatron + FLA) and on (flashqla's layer alone)
+  timeout 120 python3 -m pytest -q -rA tests/gpu/test_tilelang_layer_ops.py -k l2norm 2>&1 | tail -5
+  for l2 in 0 1; do
+    extra=(); [[ $l2 == 1 ]] && extra=(--no-fla)
+    FLASHQLA_FUSED_L2NORM=$l2 NCCL_NVLS_ENABLE=0 timeout 300 python3 -m torch.distributed.run --standalone \
+      --nproc-per-node 1 benchmarks/megatron_gdn_layer.py "${extra[@]}" ${LAYER_ARGS:-} 2>&1 \
+      | tee "$OUT/megatron_layer_l2norm$l2.log" | grep -v "Warning\|warn" | tail -30
+  done
 fi
 
 if [[ $what == walks || $what == all ]]; then
