@@ -17,15 +17,11 @@ one vectorised load or store.
 """
 import tilelang.language as T
 
+from .gated_norm import _load_rows
+
 HEAD_DIM = 128
 ROWS = 32
 THREADS = 128
-
-
-@T.macro
-def _load_rows(src, dst, r0, num_rows):
-    for r, d in T.Parallel(ROWS, HEAD_DIM):
-        dst[r, d] = T.if_then_else(r0 + r < num_rows, T.cast(src[r0 + r, d], "float32"), 0.0)
 
 
 def build_l2norm_fwd(dtype: str):
