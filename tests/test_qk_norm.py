@@ -54,12 +54,13 @@ def test_fused_glue_matches_autograd_of_the_torch_chain(fused_on_cpu, dtype, tol
         assert rel_err(x_fused.grad, x_ref.grad) <= 1e-6
 
 
-def test_fused_path_is_opt_in_and_other_head_dims_use_torch(fused_on_cpu, monkeypatch):
+def test_fused_path_is_on_by_default_can_be_turned_off_and_other_head_dims_use_torch(fused_on_cpu, monkeypatch):
     x = torch.randn(4, 128)
-    monkeypatch.delenv(l2n.ENV)
-    assert "opt-in" in l2n.fused_unsupported_reason(x)
+    monkeypatch.setenv(l2n.ENV, "0")
+    assert "turns the fused L2 norm off" in l2n.fused_unsupported_reason(x)
     l2n.l2norm(x)
-    monkeypatch.setenv(l2n.ENV, "1")
+    monkeypatch.delenv(l2n.ENV)
+    assert l2n.fused_unsupported_reason(x) is None
     assert "rows of 128" in l2n.fused_unsupported_reason(torch.randn(4, 64))
     assert "rows of 128" in l2n.fused_unsupported_reason(torch.randn(4, 128, dtype=torch.float64))
     assert l2n.fused_unsupported_reason(x) is None

@@ -9,8 +9,8 @@ CP all-to-all helpers. It changes four things:
   `flashqla.chunk_gated_delta_rule`;
 * q/k preparation: no `repeat_interleave` to the v-head count (flashqla reads k-head h // (Hv/Hk)
   natively, the same mapping Megatron's repeat produces); q and k are L2-normalised by the op
-  (`use_qk_l2norm_in_kernel`, eps 1e-6, FLA's convention; `flashqla.ops.qk_norm`: the fp32 torch chain,
-  or one fused SM90 kernel each way with FLASHQLA_FUSED_L2NORM=1);
+  (`use_qk_l2norm_in_kernel`, eps 1e-6, FLA's convention; `flashqla.ops.qk_norm`: one fused SM90 kernel
+  each way on Hopper, the fp32 torch chain elsewhere or with FLASHQLA_FUSED_L2NORM=0);
 * the causal conv: flashqla's per-sequence conv (`flashqla.layers.conv`) instead of FLA's Triton
   conv, so the module builds and runs without FLA installed and handles packed sequences on any
   device (Megatron's deterministic-mode `F.conv1d` cannot see `cu_seqlens`); with SiLU and no conv

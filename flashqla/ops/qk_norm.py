@@ -3,7 +3,8 @@
 `l2norm_reference` is the torch chain: x / sqrt(sum(x^2) + eps) in fp32, rounded once to x's dtype. On
 an SM90 GPU the fused TileLang kernels (kernels/hopper/l2_norm.py) compute the same chain in one pass
 each way and keep only one fp32 scale per row for the backward (the torch chain keeps an fp32 copy of
-x). They are opt-in while they await their first GPU run: FLASHQLA_FUSED_L2NORM=1 turns them on.
+x). They are on by default where they can run (checked on the H200 against autograd of the torch chain,
+tests/gpu/test_tilelang_layer_ops.py); FLASHQLA_FUSED_L2NORM=0 turns them off.
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import os
 import torch
 
 ENV = "FLASHQLA_FUSED_L2NORM"
+_OFF = ("0", "off", "false", "no")
 HEAD_DIM = 128
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -24,8 +26,8 @@ def l2norm_reference(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 
 def fused_unsupported_reason(x: torch.Tensor) -> str | None:
     """None when the fused kernels can normalise `x`, else why not."""
-    if os.environ.get(ENV, "0").strip().lower() not in ("1", "on", "true", "yes"):
-        return f"the fused L2 norm is opt-in ({ENV}=1)"
+    if os.environ.get(ENV, "1").strip().lower() in _OFF:
+        return f"{ENV} turns the fused L2 norm off"
     from .backends import hopper_device_reason
 
     reason = hopper_device_reason(x, "the fused L2 norm")
