@@ -2,13 +2,16 @@
 
 FlashQLA's published backward matrix: (Hqk, Hv) in {(16,32), (8,16), (4,8), (2,4)} x {8K, 32K} total
 tokens x {1, 2, 4, 8} equal sequences, bf16, K = V = 128, model-like gates (bench_gdn.make_inputs).
-Each implementation runs through its autograd entry point; "bwd" is (fwd+bwd) - fwd, both medians of
-eager runs timed with CUDA events, the same way for every implementation (host launch overheads
-included, as a training step without CUDA graphs sees them). Also reported: the peak
-memory the backward adds on top of the forward's saved tensors.
+Each implementation runs through its autograd entry point; "bwd" is (fwd+bwd) - fwd, both medians
+timed with CUDA events, the same way for every implementation: eager runs by default (host launch
+overheads included, as a training step without CUDA graphs sees them), or with --graphs the forward and
+the forward+backward each captured once in a CUDA graph and replayed (the GPU time, as FlashQLA's
+published matrix was timed); an implementation that cannot be captured (a host sync) falls back to eager
+and the report says so. Also reported: the peak memory the backward adds on top of the forward's saved
+tensors.
 
     python benchmarks/bench_bwd.py [--impls flashqla,flashqla_cp,fla,flash_qla] [--heads 4:8,2:4] [--reps 10]
-        [--out docs/benchmarks_bwd.md]
+        [--graphs] [--out docs/benchmarks_bwd.md]
 
 FlashQLA 0.1.3 JIT-compiles its backward for minutes on first use per configuration: on a short device
 session carry its kernels prebuilt on a CPU machine (benchmarks/peer_cache/, which covers this matrix).
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import math
 import os
 import time
@@ -28,7 +32,7 @@ os.environ.setdefault("FLA_DISABLE_BACKEND_DISPATCH", "0")
 
 import torch  # noqa: E402
 
-from bench_gdn import eager_median_ms, grouped_bars, make_inputs, versions  # noqa: E402
+from bench_gdn import as_int64, eager_median_ms, graph_median_ms, grouped_bars, make_inputs, versions  # noqa: E402
 
 HEADS = [(16, 32), (8, 16), (4, 8), (2, 4)]
 TOKENS = [8192, 32768]
@@ -44,18 +48,29 @@ def forward_fn(impl):
         return lambda q, k, v, g, beta, cu: flashqla.chunk_gated_delta_rule(
             q, k, v, g, beta, cu_seqlens=cu, backend="tilelang", intra_cp=intra_cp)[0]
     if impl == "fla":
+        import inspect
+
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
-        return lambda q, k, v, g, beta, cu: chunk_gated_delta_rule(
-            q, k, v, g, beta, cu_seqlens=cu.long() if cu.numel() > 2 else None)[0]
+        # FLA's varlen path reads cu_seqlens on the host: hand it a copy made before any graph capture
+        has_cpu_cu = "cu_seqlens_cpu" in inspect.signature(chunk_gated_delta_rule).parameters
+        host_copy = functools.lru_cache(maxsize=4)(lambda cu: cu.long().cpu())
+
+        def run(q, k, v, g, beta, cu):
+            if cu.numel() == 2:
+                return chunk_gated_delta_rule(q, k, v, g, beta)[0]
+            extra = {"cu_seqlens_cpu": host_copy(cu)} if has_cpu_cu else {}
+            return chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens=as_int64(cu), **extra)[0]
+        return run
     if impl == "flash_qla":
         import flash_qla
 
-        return lambda q, k, v, g, beta, cu: flash_qla.chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens=cu.long())[0]
+        return lambda q, k, v, g, beta, cu: flash_qla.chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens=as_int64(cu))[0]
     raise ValueError(impl)
 
 
-def time_impl(fwd, inputs, do, reps):
+def time_impl(fwd, inputs, do, reps, graphs=False, notes=None, label=""):
+    """(fwd ms, fwd+bwd ms, peak MiB). graphs: CUDA-graph replay, eager where capture fails (noted)."""
     q, k, v, g, beta, cu = inputs
     leaves = [t.detach().requires_grad_(True) for t in (q, k, v, g, beta)]
 
@@ -64,12 +79,24 @@ def time_impl(fwd, inputs, do, reps):
             fwd(*leaves, cu)
 
     def fwd_bwd():
-        fwd(*leaves, cu).backward(do)
+        torch.autograd.grad(fwd(*leaves, cu), leaves, do)
 
     fwd_bwd()  # compile / warm up
     torch.cuda.synchronize()
-    t_fwd = eager_median_ms(fwd_only, reps)
-    t_all = eager_median_ms(fwd_bwd, reps)
+    times = []
+    for fn in (fwd_only, fwd_bwd):
+        if graphs:
+            try:
+                times.append(graph_median_ms(fn, max(reps, 50)))
+                continue
+            except Exception as exc:  # a host sync inside: capture is rejected
+                torch.cuda.synchronize()
+                if notes is not None:
+                    notes.append(f"- {label} {fn.__name__}: eager (capture failed: {exc.__class__.__name__}: "
+                                 f"{str(exc)[:100]})")
+                    print(notes[-1], flush=True)
+        times.append(eager_median_ms(fn, reps))
+    t_fwd, t_all = times
     # peak memory of one fwd+bwd above what is allocated before it (inputs, leaves' grads)
     for leaf in leaves:
         leaf.grad = None
@@ -88,6 +115,7 @@ def main():
     ap.add_argument("--out", default="docs/benchmarks_bwd.md")
     ap.add_argument("--png", default=None, help="also a bar chart of the backward times")
     ap.add_argument("--quick", action="store_true", help="(16,32) and (2,4) at 8K and 32K, one sequence")
+    ap.add_argument("--graphs", action="store_true", help="time CUDA-graph replays (GPU time) instead of eager runs")
     ap.add_argument("--heads", default=None, help="Hqk:Hv pairs of the matrix to run, e.g. 4:8,2:4 (default: all)")
     args = ap.parse_args()
     impls = args.impls.split(",")
@@ -97,7 +125,8 @@ def main():
             fns[impl] = forward_fn(impl)
         except Exception as exc:
             notes.append(f"- {impl} unavailable: {exc.__class__.__name__}: {exc}")
-    rows = []
+    rows, vers = [], versions()
+    timing = "CUDA-graph replays, median of 50" if args.graphs else f"eager, median of {args.reps}"
     heads, seqs = ([(16, 32), (2, 4)], [1]) if args.quick else (HEADS, SEQS)
     if args.heads:
         heads = [tuple(int(n) for n in pair.split(":")) for pair in args.heads.split(",")]
@@ -106,29 +135,30 @@ def main():
             for n in seqs:
                 inputs = make_inputs(Hqk, Hv, [T // n] * n)
                 do = torch.randn_like(inputs[2])
-                row = dict(Hqk=Hqk, Hv=Hv, T=T, n=n)
+                row, seconds = dict(Hqk=Hqk, Hv=Hv, T=T, n=n), {}
                 for impl, fn in fns.items():
                     try:
                         start = time.perf_counter()
-                        row[impl] = time_impl(fn, inputs, do, args.reps)
-                        if time.perf_counter() - start > 30:
-                            notes.append(f"- {impl} ({Hqk},{Hv}) {T}x{n}: {time.perf_counter() - start:.0f} s incl. JIT")
+                        row[impl] = time_impl(fn, inputs, do, args.reps, args.graphs, notes, f"{impl} ({Hqk},{Hv}) {T}x{n}")
+                        seconds[impl] = round(time.perf_counter() - start, 1)
+                        if seconds[impl] > 30:
+                            notes.append(f"- {impl} ({Hqk},{Hv}) {T}x{n}: {seconds[impl]:.0f} s incl. JIT")
                     except Exception as exc:
                         row[impl] = None
                         notes.append(f"- {impl} failed on ({Hqk},{Hv}) {T}/{n}: {exc.__class__.__name__}: {str(exc)[:160]}")
                         print(notes[-1], flush=True)
                 rows.append(row)
                 fmt = {k: (None if v is None else tuple(round(x, 3) for x in v)) for k, v in row.items() if k in fns}
-                print(f"({Hqk:2d},{Hv:2d}) {T:6d} x{n}: (fwd ms, fwd+bwd ms, peak MiB) {fmt}", flush=True)
+                print(f"({Hqk:2d},{Hv:2d}) {T:6d} x{n}: (fwd ms, fwd+bwd ms, peak MiB) {fmt} (s: {seconds})", flush=True)
                 del inputs, do
                 torch.cuda.empty_cache()
-    report = write_report(args.out, rows, list(fns), versions(), notes)
+                report = write_report(args.out, rows, list(fns), vers, notes, timing)  # a cut-off run keeps its rows
     if args.png:
         plot(args.png, rows, list(fns))
     print(report)
 
 
-def write_report(path, rows, impls, vers, notes):
+def write_report(path, rows, impls, vers, notes, timing="eager"):
     """Markdown table of every row, then the backward and fwd+bwd speed-ups of each flashqla variant over
     each peer (FLA, FlashQLA) per row and as geomeans."""
     ours = [i for i in impls if i.startswith("flashqla")]
@@ -136,7 +166,7 @@ def write_report(path, rows, impls, vers, notes):
     pairs = [(a, b) for a in ours for b in peers]
     lines = ["# Backward benchmark (H200)", "",
              f"Date: {datetime.date.today()}; {', '.join(f'{k} {v}' for k, v in vers.items())}.", "",
-             "bf16, K = V = 128, model-like gates; eager medians (benchmarks/bench_bwd.py). bwd = (fwd+bwd) - fwd. "
+             f"bf16, K = V = 128, model-like gates; {timing} (benchmarks/bench_bwd.py). bwd = (fwd+bwd) - fwd. "
              "peak = memory one fwd+bwd allocates above the inputs. Ratios: peer time / flashqla time, backward "
              "(fwd+bwd).", "",
              "| Hqk | Hv | tokens | seqs | " + " | ".join(f"{i} bwd ms | {i} fwd+bwd ms | {i} peak MiB" for i in impls)
