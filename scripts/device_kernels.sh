@@ -7,7 +7,7 @@
 #   profile: profile_gdn.py step (PROFILE_ARGS) and first-call in a fresh process on an empty cache
 #   layer: megatron_gdn_layer.py, Megatron's FLA GDN layer vs flashqla's (parity and time, 1 GPU; LAYER_ARGS, e.g.
 #          --profile 20), then flashqla's with the fused q/k L2 norm on, after its GPU test
-#   bwd:   bench_bwd.py (BWD_ARGS, e.g. --quick), flashqla vs FLA (FlashQLA's backward JIT-compiles for minutes: left out)
+#   bwd:   bench_bwd.py --graphs (BWD_ARGS, e.g. --quick), flashqla vs FLA (FlashQLA's backward JIT-compiles for minutes: left out)
 #   walks: bench_walks.py, the two serial walks at every V tile width (calibrates launch.block_v_for)
 set -uo pipefail
 what=${1:-all}
@@ -63,7 +63,7 @@ if [[ $what == bench || $what == all ]]; then
 fi
 
 if [[ $what == bwd || $what == all ]]; then
-  timeout "${BWD_TIMEOUT:-300}" python3 benchmarks/bench_bwd.py --impls flashqla,fla ${BWD_ARGS:-} --out "$OUT/benchmarks_bwd.md" 2>&1 \
+  timeout "${BWD_TIMEOUT:-300}" python3 benchmarks/bench_bwd.py --graphs --impls flashqla,fla ${BWD_ARGS:-} --out "$OUT/benchmarks_bwd.md" 2>&1 \
     | tee "$OUT/bench_bwd.log" | grep -v "^\s*$" | tail -40
 fi
 
