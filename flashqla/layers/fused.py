@@ -13,21 +13,19 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 
 import torch
 
-from ..ops.backends import hopper_device_reason
+from ..ops.backends import hopper_device_reason, switched_on
 
 log = logging.getLogger("flashqla")
 
 ENV = "FLASHQLA_FUSED_LAYER_OPS"
-_OFF = ("0", "off", "false", "no")
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def enabled() -> bool:
-    return os.environ.get(ENV, "1").strip().lower() not in _OFF
+    return switched_on(ENV)
 
 
 def _device_reason(t: torch.Tensor) -> str | None:

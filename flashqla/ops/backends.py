@@ -5,6 +5,7 @@ import dataclasses
 import functools
 import importlib.util
 import logging
+import os
 from dataclasses import dataclass
 
 import torch
@@ -36,6 +37,11 @@ def tilelang_missing() -> str | None:
     if importlib.util.find_spec("tilelang") is None:
         return "tilelang is not installed; pip install 'flashqla[tilelang]'"
     return None
+
+
+def switched_on(env: str) -> bool:
+    """An on-by-default switch: False only when the environment variable `env` says 0/off/false/no."""
+    return os.environ.get(env, "1").strip().lower() not in ("0", "off", "false", "no")
 
 
 def hopper_device_reason(t: torch.Tensor, what: str) -> str | None:

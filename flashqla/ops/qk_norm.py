@@ -8,12 +8,10 @@ tests/gpu/test_tilelang_layer_ops.py); FLASHQLA_FUSED_L2NORM=0 turns them off.
 """
 from __future__ import annotations
 
-import os
 
 import torch
 
 ENV = "FLASHQLA_FUSED_L2NORM"
-_OFF = ("0", "off", "false", "no")
 HEAD_DIM = 128
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -26,10 +24,10 @@ def l2norm_reference(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 
 def fused_unsupported_reason(x: torch.Tensor) -> str | None:
     """None when the fused kernels can normalise `x`, else why not."""
-    if os.environ.get(ENV, "1").strip().lower() in _OFF:
-        return f"{ENV} turns the fused L2 norm off"
-    from .backends import hopper_device_reason
+    from .backends import hopper_device_reason, switched_on
 
+    if not switched_on(ENV):
+        return f"{ENV} turns the fused L2 norm off"
     reason = hopper_device_reason(x, "the fused L2 norm")
     if reason:
         return reason
