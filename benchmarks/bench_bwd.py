@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import functools
 import math
 import os
 import time
@@ -32,7 +31,8 @@ os.environ.setdefault("FLA_DISABLE_BACKEND_DISPATCH", "0")
 
 import torch  # noqa: E402
 
-from bench_gdn import as_int64, eager_median_ms, graph_median_ms, grouped_bars, make_inputs, versions  # noqa: E402
+from bench_gdn import (as_int64, eager_median_ms, graph_median_ms, grouped_bars, impl_fla, make_inputs,  # noqa: E402
+                       versions)
 
 HEADS = [(16, 32), (8, 16), (4, 8), (2, 4)]
 TOKENS = [8192, 32768]
@@ -48,20 +48,8 @@ def forward_fn(impl):
         return lambda q, k, v, g, beta, cu: flashqla.chunk_gated_delta_rule(
             q, k, v, g, beta, cu_seqlens=cu, backend="tilelang", intra_cp=intra_cp)[0]
     if impl == "fla":
-        import inspect
-
-        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
-
-        # FLA's varlen path reads cu_seqlens on the host: hand it a copy made before any graph capture
-        has_cpu_cu = "cu_seqlens_cpu" in inspect.signature(chunk_gated_delta_rule).parameters
-        host_copy = functools.lru_cache(maxsize=4)(lambda cu: cu.long().cpu())
-
-        def run(q, k, v, g, beta, cu):
-            if cu.numel() == 2:
-                return chunk_gated_delta_rule(q, k, v, g, beta)[0]
-            extra = {"cu_seqlens_cpu": host_copy(cu)} if has_cpu_cu else {}
-            return chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens=as_int64(cu), **extra)[0]
-        return run
+        run = impl_fla()  # FLA's public op, with the host copy of cu_seqlens its varlen path reads
+        return lambda q, k, v, g, beta, cu: run(q, k, v, g, beta, cu)[0]
     if impl == "flash_qla":
         import flash_qla
 
