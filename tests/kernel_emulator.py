@@ -60,7 +60,7 @@ def _output(Q, K, S, Vn, gamma, Gamma, scale):
     return scale * (gamma[:, :, None] * (Q @ S) + (Gamma * (Q @ K.transpose(-1, -2))) @ Vn)
 
 
-def emulate_wy_inverse(k, beta, g, cu, offsets, v, Ab, gcum, w, u, chunk_slots, search_steps, store_a):
+def emulate_wy_inverse(k, beta, g, cu, offsets, v, Ab, gcum, w, u, chunk_slots, search_steps, store_a, store_wu):
     Hv = v.shape[1]
     hk = _qk_heads(k.shape[1], Hv)
     for _, _, t0, n in _chunks(cu):
@@ -76,8 +76,10 @@ def emulate_wy_inverse(k, beta, g, cu, offsets, v, Ab, gcum, w, u, chunk_slots, 
         W = gc.exp()[:, :, None] * (A_beta @ K)
         U = (Gamma * A_beta) @ _rows(v, t0, n)
         gcum[:, t0:t0 + n] = gc[:, :n].to(gcum.dtype)
-        for out, X in ((Ab, A if store_a else A_beta), (w, W), (u, U)):
-            _store(out, t0, n, X)
+        _store(Ab, t0, n, A if store_a else A_beta)
+        if store_wu:  # else w and u are stand-ins the kernel never writes
+            _store(w, t0, n, W)
+            _store(u, t0, n, U)
 
 
 def emulate_chunk_states(k, w, u, gcum, cu, offsets, h0, h_out, vnew, ht, mt, active, use_h0, store_ht, store_chunks,

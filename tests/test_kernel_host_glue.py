@@ -47,6 +47,32 @@ def test_forward_paths_match_the_torch_backend(hopper, fused):
     assert rel_err(o, o_ref) <= TOL and rel_err(ht, ht_ref) <= TOL, (rel_err(o, o_ref), rel_err(ht, ht_ref))
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["split", "fused"])
+def test_fused_forward_asks_for_no_walk_operands(hopper, monkeypatch, fused):
+    """The fused forward reads Ab and gcum alone: wy_inverse runs with store_wu = 0 (v, which stands in for
+    the W and U arguments, comes back untouched); the split forward's walk gets W and U."""
+    from flashqla.kernels.hopper import launch
+
+    flags = []
+    real = launch.compiled_wy_inverse
+
+    def spy(dtype):
+        kernel = real(dtype)
+
+        def run(*args):
+            flags.append(args[-1])
+            return kernel(*args)
+        return run
+
+    monkeypatch.setattr(launch, "compiled_wy_inverse", spy)
+    args, cu = call([1, 65, 130], Hqk=2, Hv=4, seed=3)
+    v_before = args["v"].clone()
+    o, _ = hopper.chunk_gdn_fwd(*(args[n] for n in NAMES), 128 ** -0.5, args["initial_state"], True, cu, fused=fused)
+    assert flags == [0 if fused else 1]
+    assert torch.equal(args["v"], v_before)
+    assert rel_err(o, torch_forward(args, cu)[0]) <= TOL
+
+
 def test_dispatch_picks_fused_for_many_walks(hopper):
     from flashqla.kernels.hopper import launch
 

@@ -133,8 +133,8 @@ class ChunkedCall:
 
     q: torch.Tensor  # [T, Hqk, 128]
     k: torch.Tensor
-    w: torch.Tensor  # [T, Hv, 128]  W = diag(gamma) A diag(beta) K
-    u: torch.Tensor  # [T, Hv, 128]  U = (Gamma o A) diag(beta) V
+    w: torch.Tensor | None  # [T, Hv, 128]  W = diag(gamma) A diag(beta) K (None without walk operands)
+    u: torch.Tensor | None  # [T, Hv, 128]  U = (Gamma o A) diag(beta) V (likewise)
     Ab: torch.Tensor  # [T, Hv, 64]  A diag(beta) (the fused kernel's operand); A itself when store_a
     gcum: torch.Tensor  # [Hv, T] fp32 chunk-local cumulative gate (natural log)
     cu: torch.Tensor  # int32 [N + 1]
@@ -157,11 +157,15 @@ class ChunkedCall:
         self.w = self.u = None
 
 
-def prepare(q, k, v, g, beta, cu_seqlens, store_a: bool = False, chunk_offsets=None) -> ChunkedCall:
+def prepare(q, k, v, g, beta, cu_seqlens, store_a: bool = False, chunk_offsets=None,
+            walk_operands: bool = True) -> ChunkedCall:
     """wy_inverse over every chunk of q, k [B, T, Hqk, 128], v [B, T, Hv, 128], g, beta [B, T, Hv].
 
     store_a: `Ab` holds A without beta (what the backward's chunk-local gradients need). chunk_offsets:
-    `chunk_offsets_of(cu_seqlens)` when the caller keeps it (a fixed layout), else computed here."""
+    `chunk_offsets_of(cu_seqlens)` when the caller keeps it (a fixed layout), else computed here.
+    walk_operands: also compute W and U, which only the state walks read; the fused forward reads Ab and
+    gcum alone, and without them the kernel skips the V load, two products and 2 x T x Hv x 256 bytes
+    of stores (H200: see docs/kernels.md, "wy_inverse")."""
     B, T, Hqk, _ = q.shape
     Hv = v.shape[2]
     device = q.device
@@ -177,10 +181,15 @@ def prepare(q, k, v, g, beta, cu_seqlens, store_a: bool = False, chunk_offsets=N
     q3, k3 = q.view(B * T, Hqk, HEAD_DIM), k.view(B * T, Hqk, HEAD_DIM)
     Ab = torch.empty(B * T, Hv, CHUNK, dtype=q.dtype, device=device)
     gcum = torch.empty(Hv, B * T, dtype=torch.float32, device=device)
-    w = torch.empty(B * T, Hv, HEAD_DIM, dtype=q.dtype, device=device)
-    u = torch.empty_like(w)
-    compiled_wy_inverse(dtype)(k3, beta.view(B * T, Hv).float(), g.view(B * T, Hv), cu, offsets,
-                               v.view(B * T, Hv, HEAD_DIM), Ab, gcum, w, u, chunk_slots, N.bit_length(), int(store_a))
+    v3 = v.view(B * T, Hv, HEAD_DIM)
+    if walk_operands:
+        w, u = (torch.empty(B * T, Hv, HEAD_DIM, dtype=q.dtype, device=device) for _ in range(2))
+    else:
+        w = u = None
+    # without walk operands v stands in for the W and U arguments (same shape; the kernel writes neither)
+    compiled_wy_inverse(dtype)(k3, beta.view(B * T, Hv).float(), g.view(B * T, Hv), cu, offsets, v3, Ab, gcum,
+                               v3 if w is None else w, v3 if u is None else u, chunk_slots, N.bit_length(),
+                               int(store_a), int(walk_operands))
     return ChunkedCall(q3, k3, w, u, Ab, gcum, cu, offsets, chunk_slots, dtype)
 
 
@@ -254,7 +263,7 @@ def fold_segments(out, bias, mats, mask, first_rows, last_rows, reverse: bool):
 
 def output(x: ChunkedCall, h, vnew, scale: float) -> torch.Tensor:
     """chunk_output: O [T, Hv, 128] for every chunk at once."""
-    o = torch.empty_like(x.w)
+    o = torch.empty_like(vnew)
     compiled_chunk_output(x.dtype)(x.q, x.k, vnew, x.gcum, h, x.cu, x.offsets, o, float(scale),
                                    x.num_seqs.bit_length())
     return o
@@ -282,9 +291,9 @@ def chunk_gdn_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu
     once). Fused: wy_inverse, then fused_fwd (one walk computing the outputs too). fused=None picks by
     sequences x v-heads (`use_fused`, the H200 measurements above).
     """
-    x = prepare(q, k, v, g, beta, cu_seqlens)
     if fused is None:
-        fused = use_fused(x.num_seqs, x.num_v_heads)
+        fused = use_fused(q.shape[0] if cu_seqlens is None else cu_seqlens.numel() - 1, v.shape[2])
+    x = prepare(q, k, v, g, beta, cu_seqlens, walk_operands=not fused)
     if fused:
         o, ht = fused_forward(x, v, initial_state, scale, output_final_state)
         return o.view(v.shape), ht
@@ -296,8 +305,9 @@ def fused_forward(x: ChunkedCall, v, h0, scale: float, store_final: bool):
     """fused_fwd over every sequence of `x` from h0 (fp32 [N, Hv, 128, 128] or None): (O [T, Hv, 128],
     final fp32 states or None)."""
     h0_arg, ht, ht_arg = _state_buffers(x, h0, store_final)
-    o = torch.empty_like(x.w)
+    v3 = v.reshape(-1, x.num_v_heads, HEAD_DIM)
+    o = torch.empty_like(v3)
     compiled_fused_fwd(x.dtype, block_v_on(x.q.device, x.num_seqs, x.num_v_heads))(
-        x.q, x.k, v.reshape(x.w.shape), x.Ab, x.gcum, x.cu, h0_arg, o, ht_arg, float(scale),
+        x.q, x.k, v3, x.Ab, x.gcum, x.cu, h0_arg, o, ht_arg, float(scale),
         int(h0 is not None), int(store_final))
     return o, ht

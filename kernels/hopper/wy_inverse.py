@@ -12,7 +12,10 @@ Ab, W and U are stored in the input dtype. diag(beta) is folded into the columns
 forward only ever uses A diag(beta), and the gate factor Gamma commutes with that column scaling. The
 backward needs A itself (its dbeta and dA terms, chunk_bwd_local.py): with the runtime flag `store_a`
 the `Ab` output holds A = (I + StrictLower(diag(beta) K K^T))^{-1} instead (W and U are unchanged).
-The inverse needs no exp; the gates enter only W and U (exp2 of base-2 differences, each <= 0).
+With `store_wu` = 0 the kernel stops after Ab and gcum: the fused forward reads nothing else, so the V
+load, the two products and the W/U stores (2 x 256 bytes per token and v-head) are skipped, and `w`, `u`
+are never written. The inverse needs no exp; the gates enter only W and U (exp2 of base-2 differences,
+each <= 0).
 
 Chunks never straddle sequences. CTA c of the grid finds its sequence by binary search in
 `chunk_offsets` (exclusive prefix sum of chunks per sequence; `search_steps` = bit length of N); CTAs past the last chunk and rows past the
@@ -28,7 +31,8 @@ Schedule (one warpgroup, 128 threads, per (chunk, v-head)):
   3. merge 16 -> 32: X21 = -D1^{-1} L21 D0^{-1} for both 32-blocks (fp32, each thread 4 rows of a column);
   4. merge 32 -> 64: X21 = -P1^{-1} L21 P0^{-1} (fp32, each thread 8 rows of a column); both merges stage
      L21 X11 in the upper-right block of X (zero in X, zeroed again after use);
-  5. scale columns by beta, store Ab; load the V tile into the bytes X leaves; W = diag(gamma) (Ab K),
+  5. scale columns by beta, store Ab (from its shared tile, 16 bytes per thread and store, unless
+     store_a); with store_wu: load the V tile into the bytes X leaves; W = diag(gamma) (Ab K),
      then U = (Gamma o Ab) V on tensor cores through one fp32 accumulator, each staged as the input dtype
      through its input tile so the rows that exist are stored 16 bytes at a time.
 Steps 2-4 on CUDA cores in fp32 replaced a barrier per substituted row and TF32 tensor-core merges
@@ -70,6 +74,7 @@ def build_wy_inverse(dtype: str):
         num_chunk_slots: T.int32,
         search_steps: T.int32,
         store_a: T.int32,
+        store_wu: T.int32,
     ):
         with T.Kernel(num_chunk_slots, num_v_heads, threads=128) as (chunk, h):
             hk = h // (num_v_heads // num_qk_heads)
@@ -186,36 +191,45 @@ def build_wy_inverse(dtype: str):
             # --- Ab = X diag(beta) (or A = X for the backward), rows that exist ---------------------
             for r, s in T.Parallel(C, C):
                 Ab_sh[r, s] = T.cast(X_sh[r, s] * beta_sh[s], dtype)
-                GAb_sh[r, s] = T.if_then_else(
-                    r >= s, T.cast(X_sh[r, s] * beta_sh[s] * T.exp2((g_sh[r] - g_sh[s]) * LOG2E), dtype),
-                    T.cast(0, dtype))
-                if r < n_rows:
-                    Ab[start + r, h, s] = T.cast(X_sh[r, s] * T.if_then_else(store_a != 0, 1.0, beta_sh[s]), dtype)
-
-            # --- W = diag(gamma) Ab K  (Gamma_rs gamma_s = gamma_r),  U = (Gamma o Ab) V -------------
-            # V is loaded only now, into the space X no longer needs (fewer bytes live at once, more CTAs
-            # per SM), in flight during the W product; both staged through their input tiles for 16-byte
-            # row stores
-            T.sync_threads()  # V takes the bytes of X, which the loop above read
-            T.async_copy(v[start:start + C, h, 0:D], V_sh)
-            T.gemm(Ab_sh, K_sh, WU, clear_accum=True)
-            T.sync_threads()  # every warp's K reads done before K is overwritten
-            for r, d in T.Parallel(C, D):
-                K_sh[r, d] = T.cast(WU[r, d] * T.exp2(g_sh[r] * LOG2E), dtype)
-            T.ptx_wait_group(0)
-            T.sync_threads()
-            if n_rows < C:
-                for r, d in T.Parallel(C, D):
-                    if r >= n_rows:
-                        V_sh[r, d] = T.cast(0, dtype)
+            if store_a != 0:
+                for r, s in T.Parallel(C, C):
+                    if r < n_rows:
+                        Ab[start + r, h, s] = T.cast(X_sh[r, s], dtype)
+            else:  # Ab leaves from its tile, 16 bytes per thread and store
                 T.sync_threads()
-            T.gemm(GAb_sh, V_sh, WU, clear_accum=True)
-            T.sync_threads()
-            for r, d in T.Parallel(C, D):
-                V_sh[r, d] = T.cast(WU[r, d], dtype)
-            for r, d in T.Parallel(C, D):
-                if r < n_rows:
-                    w[start + r, h, d] = K_sh[r, d]
-                    u[start + r, h, d] = V_sh[r, d]
+                for r, s in T.Parallel(C, C):
+                    if r < n_rows:
+                        Ab[start + r, h, s] = Ab_sh[r, s]
+
+            if store_wu != 0:
+                # --- W = diag(gamma) Ab K  (Gamma_rs gamma_s = gamma_r),  U = (Gamma o Ab) V ---------
+                # V is loaded only now, into the space X no longer needs (fewer bytes live at once, more
+                # CTAs per SM), in flight during the W product; both staged through their input tiles for
+                # 16-byte row stores
+                for r, s in T.Parallel(C, C):
+                    GAb_sh[r, s] = T.if_then_else(
+                        r >= s, T.cast(X_sh[r, s] * beta_sh[s] * T.exp2((g_sh[r] - g_sh[s]) * LOG2E), dtype),
+                        T.cast(0, dtype))
+                T.sync_threads()  # V takes the bytes of X, which the loop above read
+                T.async_copy(v[start:start + C, h, 0:D], V_sh)
+                T.gemm(Ab_sh, K_sh, WU, clear_accum=True)
+                T.sync_threads()  # every warp's K reads done before K is overwritten
+                for r, d in T.Parallel(C, D):
+                    K_sh[r, d] = T.cast(WU[r, d] * T.exp2(g_sh[r] * LOG2E), dtype)
+                T.ptx_wait_group(0)
+                T.sync_threads()
+                if n_rows < C:
+                    for r, d in T.Parallel(C, D):
+                        if r >= n_rows:
+                            V_sh[r, d] = T.cast(0, dtype)
+                    T.sync_threads()
+                T.gemm(GAb_sh, V_sh, WU, clear_accum=True)
+                T.sync_threads()
+                for r, d in T.Parallel(C, D):
+                    V_sh[r, d] = T.cast(WU[r, d], dtype)
+                for r, d in T.Parallel(C, D):
+                    if r < n_rows:
+                        w[start + r, h, d] = K_sh[r, d]
+                        u[start + r, h, d] = V_sh[r, d]
 
     return wy_inverse
