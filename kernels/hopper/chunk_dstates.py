@@ -17,6 +17,12 @@ sequence's tokens, or zeros past the tensor end: the tile copies are bounds-chec
 
 The kernel reads dO itself and applies `scale` in fp32 where dO enters the algebra (on the masked P and
 on gamma dO, both formed elementwise anyway), so no scaled copy of dO is made.
+
+The products are asynchronous WGMMA, issued in pairs so that the serial chain (K dS -> dV' -> W^T dV')
+is three product stages instead of five: K dS beside Q K^T (with the dh store, gamma dOs and
+gamma_last dS formed meanwhile), P^T dOs beside (gamma Q)^T dOs, then W^T dV'. H200, 2026-12-01, with
+the same change in chunk_states: whole backward 6.31 -> 5.91 ms at (16, 32) x 32K x 1 sequence,
+3.93 -> 3.53 at (2, 8) x 32K x 1, 4.41 -> 4.31 at (16, 32) x 32K x 8 (docs/benchmarks.md).
 """
 import tilelang.language as T
 
@@ -38,6 +44,7 @@ def build_chunk_dstates(dtype: str, block_v: int):
     num_dht = T.dynamic("num_dht")
     num_dh0 = T.dynamic("num_dh0")
     C, D, BV = CHUNK, HEAD_DIM, block_v
+    threads = threads_for(BV)
 
     @T.macro
     def load_chunk(q, k, w, do, gcum, t0, hk, h, v0, Q_s, K_s, W_s, dO_s, graw_s):
@@ -53,28 +60,39 @@ def build_chunk_dstates(dtype: str, block_v: int):
         last = n_rows - 1
         for r in T.Parallel(C):
             gc_sh[r] = graw_s[T.min(r, last)] * LOG2E
+        # K dS (the serial chain) and Q K^T issued together (asynchronous WGMMA); the store of dh, gamma dOs
+        # and gamma_last dS run while they do
+        T.wgmma_gemm(K_s, dS_sh, KdS, clear_accum=True)
+        T.wgmma_gemm(Q_s, K_s, P, transpose_B=True, clear_accum=True)
         T.copy(dS_sh, dh_out[chunk_index, h, 0:D, v0:v0 + BV])
-
-        # scale (Gamma o Q K^T) over the rows that exist (no state: off the serial chain); with it P^T dO = P^T dOs
-        T.gemm(Q_s, K_s, P, transpose_B=True, clear_accum=True)
+        for r, j in T.Parallel(C, BV):
+            dOg_sh[r, j] = T.if_then_else(r < n_rows, dO_s[r, j] * (T.exp2(gc_sh[r]) * scale), 0.0)
+        for i, j in T.Parallel(D, BV):
+            dS[i, j] = dS[i, j] * T.exp2(gc_sh[C - 1])
+        T.wait_wgmma(0)
+        T.warpgroup_fence_operand(KdS, num_regs=C * BV // threads)
+        T.warpgroup_fence_operand(P, num_regs=C * C // threads)
+        # scale (Gamma o Q K^T) over the rows that exist; with it P^T dO = P^T dOs
         for r, s in T.Parallel(C, C):
             P_sh[r, s] = T.if_then_else(r < n_rows, T.if_then_else(
                 r >= s, P[r, s] * T.exp2(gc_sh[r] - gc_sh[s]) * scale, 0.0), 0.0)
-
-        # dV' = P^T dOs + diag(gamma_last / gamma) K dS, kept negated for the W^T product
-        T.gemm(K_s, dS_sh, KdS, clear_accum=True)
         for r, j in T.Parallel(C, BV):
             KdS[r, j] = KdS[r, j] * T.exp2(gc_sh[C - 1] - gc_sh[r])
-        T.gemm(P_sh, dO_s, KdS, transpose_A=True)
+        T.sync_threads()
+
+        # dV' = P^T dOs + diag(gamma_last / gamma) K dS (chain), with dS += (gamma Q)^T dOs alongside
+        T.wgmma_gemm(P_sh, dO_s, KdS, transpose_A=True)
+        T.wgmma_gemm(Q_s, dOg_sh, dS, transpose_A=True)
+        T.wait_wgmma(1)
+        T.warpgroup_fence_operand(KdS, num_regs=C * BV // threads)
         for r, j in T.Parallel(C, BV):
-            X_sh[r, j] = T.if_then_else(r < n_rows, -KdS[r, j], 0.0)
-            dOg_sh[r, j] = T.if_then_else(r < n_rows, dO_s[r, j] * (T.exp2(gc_sh[r]) * scale), 0.0)
+            X_sh[r, j] = T.if_then_else(r < n_rows, -KdS[r, j], 0.0)  # dV', negated for the W^T product
+        T.sync_threads()
 
         # dS = gamma_last dS + (gamma Q)^T dOs - W^T dV'
-        for i, j in T.Parallel(D, BV):
-            dS[i, j] = dS[i, j] * T.exp2(gc_sh[C - 1])
-        T.gemm(Q_s, dOg_sh, dS, transpose_A=True)
-        T.gemm(W_s, X_sh, dS, transpose_A=True)
+        T.wgmma_gemm(W_s, X_sh, dS, transpose_A=True)
+        T.wait_wgmma(0)
+        T.warpgroup_fence_operand(dS, num_regs=D * BV // threads)
         T.copy(dS, dS_sh)
 
     @T.prim_func

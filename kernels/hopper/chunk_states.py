@@ -23,7 +23,8 @@ repeat the last valid one (gamma_last is the gate at the last token, no exp2 arg
 the V' rows they produce are not stored.
 
 Loads are double buffered with cp.async (chunk c + 1 lands while chunk c computes); 128 threads for
-block_v <= 64 (one warpgroup), 256 for block_v = 128.
+block_v <= 64 (one warpgroup), 256 for block_v = 128. The two products are asynchronous WGMMA: the
+decay of S is applied while W S runs, and V' is stored while the state update runs.
 """
 import tilelang.language as T
 
@@ -50,6 +51,7 @@ def build_chunk_states(dtype: str, block_v: int):
     num_mt = T.dynamic("num_mt")
     num_active = T.dynamic("num_active")
     C, D, BV = CHUNK, HEAD_DIM, block_v
+    threads = threads_for(BV)
 
     @T.macro
     def load_chunk(k, w, u, gcum, t0, hk, h, v0, K_s, W_s, U_s, graw_s):
@@ -72,25 +74,30 @@ def build_chunk_states(dtype: str, block_v: int):
         if store_chunks != 0:
             T.copy(S_sh, h_out[chunk_index, h, 0:D, v0:v0 + BV])
 
-        # V' = U - W S
-        T.gemm(W_s, S_sh, Vn, clear_accum=True)
+        # V' = U - W S (asynchronous WGMMA: gamma_last S is formed while it runs)
+        T.wgmma_gemm(W_s, S_sh, Vn, clear_accum=True)
+        for i, j in T.Parallel(D, BV):
+            S[i, j] = S[i, j] * T.exp2(gc_sh[C - 1])
+        T.wait_wgmma(0)
+        T.warpgroup_fence_operand(Vn, num_regs=C * BV // threads)
         if use_u != 0:
             for r, j in T.Parallel(C, BV):
                 Vn[r, j] = U_s[r, j] - Vn[r, j]
         else:
             for r, j in T.Parallel(C, BV):
                 Vn[r, j] = -Vn[r, j]
+        for r, j in T.Parallel(C, BV):
+            Vs_sh[r, j] = Vn[r, j] * T.exp2(gc_sh[C - 1] - gc_sh[r])
+        T.sync_threads()
+
+        # S = gamma_last S + K^T diag(gamma_last / gamma) V'; V' leaves while the product runs
+        T.wgmma_gemm(K_s, Vs_sh, S, transpose_A=True)
         if store_chunks != 0:
             for r, j in T.Parallel(C, BV):
                 if r < n_rows:
                     vnew[t0 + r, h, v0 + j] = Vn[r, j]
-        for r, j in T.Parallel(C, BV):
-            Vs_sh[r, j] = Vn[r, j] * T.exp2(gc_sh[C - 1] - gc_sh[r])
-
-        # S = gamma_last S + K^T diag(gamma_last / gamma) V'
-        for i, j in T.Parallel(D, BV):
-            S[i, j] = S[i, j] * T.exp2(gc_sh[C - 1])
-        T.gemm(K_s, Vs_sh, S, transpose_A=True)
+        T.wait_wgmma(0)
+        T.warpgroup_fence_operand(S, num_regs=D * BV // threads)
         T.copy(S, S_sh)
 
     @T.prim_func

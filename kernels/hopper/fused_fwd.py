@@ -21,13 +21,17 @@ Schedule (256 threads = two warpgroups, both consumers; one serial loop over chu
   | step | work                                                                  | unit            |
   | 1    | cp.async Q, K (k-head h // group), V tile, Ab, gcum of chunk c + 1     | LSU -> smem     |
   |      | into the other stage; wait for chunk c's five groups                   |                 |
-  | 2    | KS = K S, QS = Q S, P = Q K^T                                          | WGMMA           |
-  | 3    | W = Lower(Gamma) o Ab, Vd = V - gamma KS, Pm = Lower(Gamma) o P        | CUDA cores      |
-  | 4    | V' = W Vd                                                              | WGMMA           |
-  | 5    | O = gamma QS + Pm V'  (accumulated onto QS), scaled, stored            | WGMMA, LSU      |
-  | 6    | S = gamma_last S + K^T (gamma_last / gamma) V';  S -> smem (bf16)       | WGMMA           |
-Steps 2-6 are serial within the CTA; only the loads of the next chunk overlap them. The warp-specialised
-producer/consumer version (TMA + mbarriers, V'/O/S consumers overlapping) is future work.
+  | 2    | issue KS = K S, QS = Q S, P = Q K^T; meanwhile W = Lower(Gamma) o Ab   | WGMMA, CUDA     |
+  | 3    | (KS landed) Vd = V - gamma KS                                          | CUDA cores      |
+  | 4    | issue V' = W Vd; meanwhile (QS, P landed) Pm = Lower(Gamma) o P,       | WGMMA, CUDA     |
+  |      | gamma QS, gamma_last S                                                 |                 |
+  | 5    | issue S += K^T (gamma_last / gamma) V' and O = gamma QS + Pm V';       | WGMMA           |
+  |      | (S landed) S -> smem (bf16); (O landed) O scaled and stored            | LSU             |
+The products are asynchronous WGMMA (`T.wgmma_gemm`, waited for with `T.wait_wgmma`, oldest first), so
+what is off the walk's serial chain (K S -> V' -> S) runs beside it: H200, 2026-12-01, whole forward
+2.34 -> 2.17 ms at (16, 32) x 32K x 1 sequence (block_v 32), 0.61 -> 0.56 at (4, 8) x 32K x 4, level at
+block_v 64 and 128 (docs/benchmarks.md, eleventh session). A warp-specialised producer/consumer version
+(TMA + mbarriers) is future work.
 """
 import tilelang
 import tilelang.language as T
@@ -74,37 +78,49 @@ def build_fused_fwd(dtype: str, block_v: int, threads: int = 256):
         for r in T.Parallel(C):
             gc_sh[r] = graw_s[T.min(r, n_rows - 1)] * LOG2E
 
-        # 2. products with the incoming state, and the intra-chunk scores
-        T.gemm(K_s, S_sh, KS, clear_accum=True)
-        T.gemm(Q_s, S_sh, O, clear_accum=True)
-        T.gemm(Q_s, K_s, P, transpose_B=True, clear_accum=True)
-
-        # 3. gate masks and V delta
+        # 2. the products with the incoming state and the scores, issued together (asynchronous WGMMA);
+        # KS is on the walk's critical path and is waited for first, QS and P later. The gate mask of Ab
+        # (gates only) is formed while they run.
+        T.wgmma_gemm(K_s, S_sh, KS, clear_accum=True)
+        T.wgmma_gemm(Q_s, S_sh, O, clear_accum=True)
+        T.wgmma_gemm(Q_s, K_s, P, transpose_B=True, clear_accum=True)
         for r, s in T.Parallel(C, C):
             W_sh[r, s] = T.if_then_else(r >= s, Ab_s[r, s] * T.exp2(gc_sh[r] - gc_sh[s]), T.cast(0, dtype))
-            P_sh[r, s] = T.if_then_else(r >= s, P[r, s] * T.exp2(gc_sh[r] - gc_sh[s]), 0.0)
+        T.wait_wgmma(2)
+        T.warpgroup_fence_operand(KS, num_regs=C * BV // threads)
         for r, j in T.Parallel(C, BV):
             Vd_sh[r, j] = V_s[r, j] - T.exp2(gc_sh[r]) * KS[r, j]
+        T.sync_threads()
 
-        # 4. V' = (Gamma o Ab) Vd
-        T.gemm(W_sh, Vd_sh, Vn, clear_accum=True)
+        # 4. V' = (Gamma o Ab) Vd; meanwhile the score mask, gamma on QS, gamma_last on S
+        T.wgmma_gemm(W_sh, Vd_sh, Vn, clear_accum=True)
+        T.wait_wgmma(1)
+        T.warpgroup_fence_operand(O, num_regs=C * BV // threads)
+        T.warpgroup_fence_operand(P, num_regs=C * C // threads)
+        for r, s in T.Parallel(C, C):
+            P_sh[r, s] = T.if_then_else(r >= s, P[r, s] * T.exp2(gc_sh[r] - gc_sh[s]), 0.0)
+        for r, j in T.Parallel(C, BV):
+            O[r, j] = O[r, j] * T.exp2(gc_sh[r])
+        for i, j in T.Parallel(D, BV):
+            S[i, j] = S[i, j] * T.exp2(gc_sh[C - 1])
+        T.wait_wgmma(0)
+        T.warpgroup_fence_operand(Vn, num_regs=C * BV // threads)
         for r, j in T.Parallel(C, BV):
             Vn_sh[r, j] = Vn[r, j]
             Vs_sh[r, j] = Vn[r, j] * T.exp2(gc_sh[C - 1] - gc_sh[r])
+        T.sync_threads()
 
-        # 5. O = scale (gamma QS + Pm V')
-        for r, j in T.Parallel(C, BV):
-            O[r, j] = O[r, j] * T.exp2(gc_sh[r])
-        T.gemm(P_sh, Vn_sh, O)
+        # 5-6. the state update (critical path) and O = scale (gamma QS + Pm V'), issued together
+        T.wgmma_gemm(K_s, Vs_sh, S, transpose_A=True)
+        T.wgmma_gemm(P_sh, Vn_sh, O)
+        T.wait_wgmma(1)
+        T.warpgroup_fence_operand(S, num_regs=D * BV // threads)
+        T.copy(S, S_sh)
+        T.wait_wgmma(0)
+        T.warpgroup_fence_operand(O, num_regs=C * BV // threads)
         for r, j in T.Parallel(C, BV):
             if r < n_rows:
                 o[t0 + r, h, v0 + j] = O[r, j] * scale
-
-        # 6. state update
-        for i, j in T.Parallel(D, BV):
-            S[i, j] = S[i, j] * T.exp2(gc_sh[C - 1])
-        T.gemm(K_s, Vs_sh, S, transpose_A=True)
-        T.copy(S, S_sh)
 
     @T.prim_func
     def fused_fwd(
