@@ -142,7 +142,7 @@ def main():
                 torch.cuda.empty_cache()
                 report = write_report(args.out, rows, list(fns), vers, notes, timing)  # a cut-off run keeps its rows
     if args.png:
-        plot(args.png, rows, list(fns))
+        plot(args.png, rows, list(fns), "CUDA graphs" if args.graphs else "eager")
     print(report)
 
 
@@ -187,13 +187,14 @@ def write_report(path, rows, impls, vers, notes, timing="eager"):
     return "\n".join(lines)
 
 
-def plot(path, rows, impls):
-    """Bar chart of every row's backward ms (fwd+bwd - fwd) per implementation."""
+def plot(path, rows, impls, timing="eager"):
+    """Bar chart of every row's backward ms (fwd+bwd - fwd) per implementation; `timing` names how they
+    were timed (the title)."""
     names = {"flashqla": "flashqla (CP off)", "flashqla_cp": "flashqla", "fla": "FLA 0.6",
              "flash_qla": "FlashQLA 0.1.3"}
     series = [(names.get(impl, impl), [r[impl][1] - r[impl][0] if r.get(impl) else 0 for r in rows]) for impl in impls]
     grouped_bars(path, [f"({r['Hqk']},{r['Hv']})\n{r['T'] // 1024}K x{r['n']}" for r in rows], series,
-                 "backward ms (lower is better)", "GDN backward, H200, bf16, K = V = 128, eager",
+                 "backward ms (lower is better)", f"GDN backward, H200, bf16, K = V = 128, {timing}",
                  width_per_group=0.55, label_fontsize=6)
 
 
