@@ -394,3 +394,15 @@ def test_backward_releases_the_walk_operands_before_the_chunk_local_kernel(hoppe
     assert seen["w_u"] == (None, None)
     *ref, _ = hopper.chunk_gdn_bwd(*(args[n] for n in NAMES), 128 ** -0.5, args["initial_state"], cu, do, None)
     assert all(torch.equal(a, b) for a, b in zip(grads, ref))
+
+
+def test_the_backward_walks_go_side_by_side_only_where_one_walk_leaves_sms_idle(hopper, monkeypatch):
+    """launch.walks_fill on an H200's 132 SMs: one walk at the narrowest V tile (32, four CTAs per sequence
+    and v-head) needs 0.7 x 132 CTAs to fill the GPU; below that the backward runs its two walks on two
+    streams."""
+    from flashqla.kernels.hopper import launch
+
+    monkeypatch.setattr(launch, "_sm_count", lambda index: 132)
+    h200 = torch.device("cuda", 0)
+    assert not launch.walks_fill(h200, 1, 8) and not launch.walks_fill(h200, 1, 16)  # 32, 64 CTAs
+    assert launch.walks_fill(h200, 1, 32) and launch.walks_fill(h200, 4, 8)  # 128 CTAs

@@ -119,6 +119,14 @@ def block_v_for(num_seqs: int, num_v_heads: int, sm_count: int) -> int:
     return BLOCK_V_CHOICES[-1]
 
 
+def walks_fill(device: torch.device, num_seqs: int, num_v_heads: int) -> bool:
+    """Whether one walk over `num_seqs` x `num_v_heads` gives MIN_CTAS_PER_SM CTAs per SM even at the
+    narrowest V tile; when it does not, two independent walks run side by side on two streams (the
+    backward's, backward.py)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return num_seqs * num_v_heads * (HEAD_DIM // BLOCK_V_CHOICES[-1]) >= MIN_CTAS_PER_SM * _sm_count(index)
+
+
 def chunk_offsets_of(cu_seqlens: torch.Tensor) -> torch.Tensor:
     """Exclusive prefix sum of the number of 64-token chunks per sequence, int32 [N + 1] (no host sync)."""
     chunks = (cu_seqlens[1:] - cu_seqlens[:-1] + CHUNK - 1) // CHUNK
