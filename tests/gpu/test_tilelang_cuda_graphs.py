@@ -27,14 +27,21 @@ def step(leaves, cu_seqlens, do, dht, intra_cp):
     return o, ht
 
 
+# a pack with a one-token sequence (3 sequences x 8 v-heads: one walk fills an H200), 4-chunk segments when
+# forced; one 3000-token sequence x 8 v-heads, whose backward runs its two walks on two streams
+PACKS = {"pack": [700, 1, 2395], "one sequence": [3000]}
+
+
+@pytest.mark.parametrize("lengths", PACKS.values(), ids=PACKS.keys())
 @pytest.mark.parametrize("intra_cp", ["off", 4])
-def test_forward_and_backward_replay_from_a_cuda_graph(intra_cp):
-    call = make_call([700, 1, 2395], 2, 8)  # a pack with a one-token sequence; 4-chunk segments when forced
+def test_forward_and_backward_replay_from_a_cuda_graph(intra_cp, lengths):
+    call = make_call(lengths, 2, 8)
     cu = call["cu_seqlens"]
+    N = len(lengths)
     static = {n: call[n].detach().clone().requires_grad_(True) for n in NAMES}
     gen = torch.Generator(device="cuda").manual_seed(5)
     do = torch.randn(call["v"].shape, generator=gen, device="cuda")
-    dht = torch.randn(3, 8, D, D, generator=gen, device="cuda") * 0.1
+    dht = torch.randn(N, 8, D, D, generator=gen, device="cuda") * 0.1
 
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -48,7 +55,7 @@ def test_forward_and_backward_replay_from_a_cuda_graph(intra_cp):
     with torch.cuda.graph(graph):
         o_static, ht_static = step(static, cu, do, dht, intra_cp)
 
-    fresh = make_call([700, 1, 2395], 2, 8, seed=1)  # new values into the captured buffers
+    fresh = make_call(lengths, 2, 8, seed=1)  # new values into the captured buffers
     with torch.no_grad():
         for n in NAMES:
             static[n].copy_(fresh[n])
@@ -60,3 +67,25 @@ def test_forward_and_backward_replay_from_a_cuda_graph(intra_cp):
     assert rel_err(o_static, o_eager) < 1e-6 and rel_err(ht_static, ht_eager) < 1e-6
     for n in NAMES:
         assert rel_err(static[n].grad, eager[n].grad) < 1e-6, n
+
+
+def test_the_backward_walks_on_two_streams_equal_one_stream(monkeypatch):
+    """Where one walk leaves SMs idle the backward runs its two walks side by side on two streams
+    (kernels/hopper/backward.py); the gradients are the one-stream ones, bit for bit."""
+    from flashqla.kernels.hopper import backward, launch
+
+    call = make_call([3000], 2, 8, seed=2)
+    assert not launch.walks_fill(call["q"].device, 1, 8)
+    gen = torch.Generator(device="cuda").manual_seed(6)
+    do = torch.randn(call["v"].shape, generator=gen, device="cuda")
+    dht = torch.randn(1, 8, D, D, generator=gen, device="cuda") * 0.1
+
+    def grads():
+        leaves = {n: call[n].detach().clone().requires_grad_(True) for n in NAMES}
+        step(leaves, call["cu_seqlens"], do, dht, "off")
+        return [leaves[n].grad for n in NAMES]
+
+    two_streams = grads()
+    monkeypatch.setattr(backward, "side_by_side", lambda device, side, main: (side(), main()))
+    one_stream = grads()
+    assert all(torch.equal(a, b) for a, b in zip(two_streams, one_stream))
