@@ -75,8 +75,8 @@ def backward_of(x: ChunkedCall, q, k, v, g, beta, do, scale, h0, dht):
     Hv = v.shape[2]
     device = q.device
     # the two walks are independent (the reverse walk needs no state): side by side on two streams when one
-    # walk alone leaves SMs idle (H200, 2026-12-01: whole backward 3.53 -> 2.39 ms at (2, 8) x 32K x 1,
-    # 3.11 -> 2.04 at (2, 4); 1-4% slower where one walk already fills the GPU, so not there)
+    # walk alone leaves SMs idle (H200, 2026-12-01: whole backward 3.50 -> 2.38 ms at (2, 8) x 32K x 1,
+    # 3.10 -> 2.03 at (2, 4); 1-4% slower where one walk already fills the GPU, so not there)
     def reverse_walk():
         return state_gradients(x, do, scale, dht)
 

@@ -173,7 +173,7 @@ def prepare(q, k, v, g, beta, cu_seqlens, store_a: bool = False, chunk_offsets=N
     `chunk_offsets_of(cu_seqlens)` when the caller keeps it (a fixed layout), else computed here.
     walk_operands: also compute W and U, which only the state walks read; the fused forward reads Ab and
     gcum alone, and without them the kernel skips the V load, two products and 2 x T x Hv x 256 bytes
-    of stores (H200: see docs/kernels.md, "wy_inverse")."""
+    of stores (H200: docs/kernels.md, "Eleventh session")."""
     B, T, Hqk, _ = q.shape
     Hv = v.shape[2]
     device = q.device
