@@ -76,7 +76,7 @@ def emulate_wy_inverse(k, beta, g, cu, offsets, v, Ab, gcum, w, u, chunk_slots, 
         W = gc.exp()[:, :, None] * (A_beta @ K)
         U = (Gamma * A_beta) @ _rows(v, t0, n)
         gcum[:, t0:t0 + n] = gc[:, :n].to(gcum.dtype)
-        _store(Ab, t0, n, A if store_a else A_beta)
+        _store(Ab, t0, n, A if store_a else Gamma * A_beta)  # the forward's Ab carries its gate mask
         if store_wu:  # else w and u are stand-ins the kernel never writes
             _store(w, t0, n, W)
             _store(u, t0, n, U)
@@ -131,7 +131,7 @@ def emulate_fused_fwd(q, k, v, Ab, gcum, cu, h0, o, ht, scale, use_h0, store_ht)
             S = _start_state(h0, n, use_h0, Hv, D)
         _, gamma, Gamma, gamma_last, to_end = _gates(gcum, t0, rows)
         Q, K = _rows(q, t0, rows, hk), _rows(k, t0, rows, hk)
-        Vn = (Gamma * _rows(Ab, t0, rows)) @ (_rows(v, t0, rows) - gamma[:, :, None] * (K @ S))
+        Vn = _rows(Ab, t0, rows) @ (_rows(v, t0, rows) - gamma[:, :, None] * (K @ S))  # Ab = Gamma o A diag(beta)
         _store(o, t0, rows, _output(Q, K, S, Vn, gamma, Gamma, scale))
         S = gamma_last[:, :, None] * S + K.transpose(-1, -2) @ (to_end[:, :, None] * Vn)
         if store_ht and t0 + rows == cu[n + 1]:

@@ -2,20 +2,21 @@
 
 For every 64-token chunk of every packed sequence and every v-head h (reading k-head h // (Hv/Hqk)):
 
-    Ab   = (I + StrictLower(diag(beta) K K^T))^{-1} diag(beta)        [64 x 64], the fused forward's operand
-    W    = diag(gamma) Ab K                                            [64 x 128]  (docs/algorithm.md W1)
-    U    = (Gamma o Ab) V                                              [64 x 128]  (W2)
+    A    = (I + StrictLower(diag(beta) K K^T))^{-1}                     [64 x 64]
+    Ab   = Gamma o (A diag(beta))                                      [64 x 64], the fused forward's operand
+    W    = diag(gamma) A diag(beta) K                                  [64 x 128]  (docs/algorithm.md W1)
+    U    = Ab V                                                        [64 x 128]  (W2)
     gcum = cumsum_{t <= r} g_t                                         [64], fp32, natural log,
                                                                        stored head-major [Hv, T]
 
 Ab, W and U are stored in the input dtype. diag(beta) is folded into the columns of A because the
-forward only ever uses A diag(beta), and the gate factor Gamma commutes with that column scaling. The
-backward needs A itself (its dbeta and dA terms, chunk_bwd_local.py): with the runtime flag `store_a`
+forward only ever uses A diag(beta), and the gate factor Gamma commutes with that column scaling; the
+lower-triangular decay mask Gamma (exp2 of base-2 gate differences, each <= 0) is applied before the one
+rounding to the input dtype, so the fused walk uses Ab as it is. The backward needs A itself (its dbeta and dA terms, chunk_bwd_local.py): with the runtime flag `store_a`
 the `Ab` output holds A = (I + StrictLower(diag(beta) K K^T))^{-1} instead (W and U are unchanged).
 With `store_wu` = 0 the kernel stops after Ab and gcum: the fused forward reads nothing else, so the V
 load, the two products and the W/U stores (2 x 256 bytes per token and v-head) are skipped, and `w`, `u`
-are never written. The inverse needs no exp; the gates enter only W and U (exp2 of base-2 differences,
-each <= 0).
+are never written. The inverse needs no exp; the gates enter only Ab, W and U.
 
 Chunks never straddle sequences. CTA c of the grid finds its sequence by binary search in
 `chunk_offsets` (exclusive prefix sum of chunks per sequence; `search_steps` = bit length of N); CTAs past the last chunk and rows past the
@@ -31,9 +32,9 @@ Schedule (one warpgroup, 128 threads, per (chunk, v-head)):
   3. merge 16 -> 32: X21 = -D1^{-1} L21 D0^{-1} for both 32-blocks (fp32, each thread 4 rows of a column);
   4. merge 32 -> 64: X21 = -P1^{-1} L21 P0^{-1} (fp32, each thread 8 rows of a column); both merges stage
      L21 X11 in the upper-right block of X (zero in X, zeroed again after use);
-  5. scale columns by beta, store Ab (from its shared tile, 16 bytes per thread and store, unless
-     store_a); with store_wu: load the V tile into the bytes X leaves; W = diag(gamma) (Ab K),
-     then U = (Gamma o Ab) V on tensor cores through one fp32 accumulator, each staged as the input dtype
+  5. scale columns by beta and mask by Gamma, store Ab (from its shared tile, 16 bytes per thread and
+     store, unless store_a); with store_wu: load the V tile into the bytes X leaves; W =
+     diag(gamma) ((A diag(beta)) K), then U = Ab V on tensor cores through one fp32 accumulator, each staged as the input dtype
      through its input tile so the rows that exist are stored 16 bytes at a time.
 Steps 2-4 on CUDA cores in fp32 replaced a barrier per substituted row and TF32 tensor-core merges
 (H200, 2026-11-30: 0.34 -> 0.24 ms at (2, 8) x 32K tokens, 1.25 -> 0.94 ms at (16, 32)). The late V
@@ -188,9 +189,12 @@ def build_wy_inverse(dtype: str):
                 X_sh[rg + r, 32 + c3] = 0.0
             T.sync_threads()
 
-            # --- Ab = X diag(beta) (or A = X for the backward), rows that exist ---------------------
+            # --- the forward's Ab = Gamma o (X diag(beta)) (its gate mask applied once here, so the fused walk
+            # takes it as a product operand), or A = X for the backward; rows that exist ---------------
             for r, s in T.Parallel(C, C):
-                Ab_sh[r, s] = T.cast(X_sh[r, s] * beta_sh[s], dtype)
+                GAb_sh[r, s] = T.if_then_else(
+                    r >= s, T.cast(X_sh[r, s] * beta_sh[s] * T.exp2((g_sh[r] - g_sh[s]) * LOG2E), dtype),
+                    T.cast(0, dtype))
             if store_a != 0:
                 for r, s in T.Parallel(C, C):
                     if r < n_rows:
@@ -199,17 +203,15 @@ def build_wy_inverse(dtype: str):
                 T.sync_threads()
                 for r, s in T.Parallel(C, C):
                     if r < n_rows:
-                        Ab[start + r, h, s] = Ab_sh[r, s]
+                        Ab[start + r, h, s] = GAb_sh[r, s]
 
             if store_wu != 0:
-                # --- W = diag(gamma) Ab K  (Gamma_rs gamma_s = gamma_r),  U = (Gamma o Ab) V ---------
+                # --- W = diag(gamma) (X diag(beta)) K,  U = Ab V  (Gamma_rs gamma_s = gamma_r) ---------------
                 # V is loaded only now, into the space X no longer needs (fewer bytes live at once, more
                 # CTAs per SM), in flight during the W product; both staged through their input tiles for
                 # 16-byte row stores
                 for r, s in T.Parallel(C, C):
-                    GAb_sh[r, s] = T.if_then_else(
-                        r >= s, T.cast(X_sh[r, s] * beta_sh[s] * T.exp2((g_sh[r] - g_sh[s]) * LOG2E), dtype),
-                        T.cast(0, dtype))
+                    Ab_sh[r, s] = T.cast(X_sh[r, s] * beta_sh[s], dtype)
                 T.sync_threads()  # V takes the bytes of X, which the loop above read
                 T.async_copy(v[start:start + C, h, 0:D], V_sh)
                 T.gemm(Ab_sh, K_sh, WU, clear_accum=True)
