@@ -125,6 +125,8 @@ def build_chunk_bwd_local(dtype: str):
             dgc_acc = T.alloc_fragment((C,), "float32")
             dbeta_acc = T.alloc_fragment((C,), "float32")
             col = T.alloc_fragment((C,), "float32")
+            gam = T.alloc_fragment((C,), "float32")  # gamma of each row
+            tail = T.alloc_fragment((C,), "float32")  # gamma_last / gamma of each row
             Fsum = T.alloc_var("float32")
 
             # --- which sequence and chunk this CTA owns -----------------------------------------------
@@ -157,12 +159,16 @@ def build_chunk_bwd_local(dtype: str):
                 for r in T.Parallel(C):
                     gc_sh[r] = gcum[hv, t0 + T.min(r, last)] * LOG2E
                     beta_sh[r] = T.if_then_else(r < n_rows, beta[t0 + T.min(r, last), hv], 0.0)
+                # the row decays gamma and gamma_last / gamma, once per row (two rows per thread)
+                for r in T.Parallel(C):
+                    gam[r] = T.exp2(gc_sh[r])
+                    tail[r] = T.exp2(gc_sh[C - 1] - gc_sh[r])
                 T.clear(dgc_acc)
 
                 # Vd = V - diag(gamma) K S;  CD1 <- diag(beta) Vd;  Gamma o A
                 T.gemm(K_s, S_s, tmp, clear_accum=True)
                 for r, j in T.Parallel(C, D):
-                    Vd[r, j] = CD1_s[r, j] - T.exp2(gc_sh[r]) * tmp[r, j]
+                    Vd[r, j] = CD1_s[r, j] - gam[r] * tmp[r, j]
                 for r, j in T.Parallel(C, D):
                     CD1_s[r, j] = beta_sh[r] * Vd[r, j]
                 for r, s in T.Parallel(C, C):
@@ -185,7 +191,7 @@ def build_chunk_bwd_local(dtype: str):
                 T.gemm(K_s, dS_s, tmp, clear_accum=True)
                 T.gemm(CC1_s, dO_s, dVn, transpose_A=True, clear_accum=True)
                 for r, j in T.Parallel(C, D):
-                    dVn[r, j] = dVn[r, j] + T.exp2(gc_sh[C - 1] - gc_sh[r]) * tmp[r, j]
+                    dVn[r, j] = dVn[r, j] + tail[r] * tmp[r, j]
                 T.copy(dVn, dVn_s)
 
                 # dP = dOs V_new^T = scale dO V_new^T; E_P = dP o P; CC1 <- dP o Gamma
@@ -201,7 +207,7 @@ def build_chunk_bwd_local(dtype: str):
                 # dgc += rowsum(dOs o diag(gamma) Q S)
                 T.gemm(Q_s, S_s, tmp, clear_accum=True)
                 for r, j in T.Parallel(C, D):
-                    tmp[r, j] = (T.exp2(gc_sh[r]) * scale) * tmp[r, j] * dO_s[r, j]
+                    tmp[r, j] = (gam[r] * scale) * tmp[r, j] * dO_s[r, j]
                 T.reduce_sum(tmp, rows, dim=1)
                 for r in T.Parallel(C):
                     dgc_acc[r] = dgc_acc[r] + rows[r]
@@ -209,7 +215,7 @@ def build_chunk_bwd_local(dtype: str):
                 # dq = diag(gamma) dOs S^T + (dP o Gamma) K; dO is done after these: dq leaves through its tile
                 T.gemm(dO_s, S_s, acc, transpose_B=True, clear_accum=True)
                 for r, j in T.Parallel(C, D):
-                    acc[r, j] = acc[r, j] * (T.exp2(gc_sh[r]) * scale)
+                    acc[r, j] = acc[r, j] * (gam[r] * scale)
                 T.gemm(CC1_s, K_s, acc)
                 T.copy(acc, dO_s)
                 store_rows(dO_s, dq, t0, hv, n_rows)
@@ -218,12 +224,12 @@ def build_chunk_bwd_local(dtype: str):
                 T.gemm(CC1_s, Q_s, acc, transpose_A=True, clear_accum=True)
                 T.gemm(CD2_s, dS_s, tmp, transpose_B=True, clear_accum=True)
                 for r, j in T.Parallel(C, D):
-                    acc[r, j] = acc[r, j] + T.exp2(gc_sh[C - 1] - gc_sh[r]) * tmp[r, j]
+                    acc[r, j] = acc[r, j] + tail[r] * tmp[r, j]
                 for r, j in T.Parallel(C, D):
                     tmp[r, j] = K_s[r, j] * tmp[r, j]
                 T.reduce_sum(tmp, rows, dim=1)
                 for r in T.Parallel(C):
-                    F_sh[r] = T.exp2(gc_sh[C - 1] - gc_sh[r]) * rows[r]
+                    F_sh[r] = tail[r] * rows[r]
                 for r in T.Parallel(C):
                     dgc_acc[r] = dgc_acc[r] - F_sh[r]
 
@@ -267,12 +273,12 @@ def build_chunk_bwd_local(dtype: str):
                 # dVd S^T: dk -= diag(gamma) dVd S^T; dgc -= gamma o rowsum(K o dVd S^T)
                 T.gemm(CD2_s, S_s, tmp, transpose_B=True, clear_accum=True)
                 for r, j in T.Parallel(C, D):
-                    acc[r, j] = acc[r, j] - T.exp2(gc_sh[r]) * tmp[r, j]
+                    acc[r, j] = acc[r, j] - gam[r] * tmp[r, j]
                 for r, j in T.Parallel(C, D):
                     tmp[r, j] = K_s[r, j] * tmp[r, j]
                 T.reduce_sum(tmp, rows, dim=1)
                 for r in T.Parallel(C):
-                    dgc_acc[r] = dgc_acc[r] - T.exp2(gc_sh[r]) * rows[r]
+                    dgc_acc[r] = dgc_acc[r] - gam[r] * rows[r]
                 T.copy(acc, dO_s)  # dk leaves through dO's tile too
                 store_rows(dO_s, dk, t0, hv, n_rows)
 

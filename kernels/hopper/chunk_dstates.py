@@ -56,28 +56,33 @@ def build_chunk_dstates(dtype: str, block_v: int):
 
     @T.macro
     def chunk_step(dh_out, chunk_index, n_rows, h, v0, scale, Q_s, K_s, W_s, dO_s, graw_s, gc_sh, dS_sh, X_sh, dOg_sh,
-                   P_sh, dS, KdS, P):
+                   P_sh, gs_sh, dS, KdS, P, tail, decay):
         last = n_rows - 1
         for r in T.Parallel(C):
             gc_sh[r] = graw_s[T.min(r, last)] * LOG2E
+            gs_sh[r] = T.exp2(graw_s[T.min(r, last)] * LOG2E) * scale  # gamma of each row, times the output scale
         # K dS (the serial chain) and Q K^T issued together (asynchronous WGMMA); the store of dh, gamma dOs
         # and gamma_last dS run while they do
         T.wgmma_gemm(K_s, dS_sh, KdS, clear_accum=True)
         T.wgmma_gemm(Q_s, K_s, P, transpose_B=True, clear_accum=True)
         T.copy(dS_sh, dh_out[chunk_index, h, 0:D, v0:v0 + BV])
         for r, j in T.Parallel(C, BV):
-            dOg_sh[r, j] = T.if_then_else(r < n_rows, dO_s[r, j] * (T.exp2(gc_sh[r]) * scale), 0.0)
+            dOg_sh[r, j] = T.if_then_else(r < n_rows, dO_s[r, j] * gs_sh[r], 0.0)
+        for r in T.Parallel(C):
+            tail[r] = T.exp2(gc_sh[C - 1] - gc_sh[r])
+        decay = T.exp2(gc_sh[C - 1])
         for i, j in T.Parallel(D, BV):
-            dS[i, j] = dS[i, j] * T.exp2(gc_sh[C - 1])
+            dS[i, j] = dS[i, j] * decay
         T.wait_wgmma(0)
         T.warpgroup_fence_operand(KdS, num_regs=C * BV // threads)
         T.warpgroup_fence_operand(P, num_regs=C * C // threads)
         # scale (Gamma o Q K^T) over the rows that exist; with it P^T dO = P^T dOs
         for r, s in T.Parallel(C, C):
-            P_sh[r, s] = T.if_then_else(r < n_rows, T.if_then_else(
+            P[r, s] = T.if_then_else(r < n_rows, T.if_then_else(
                 r >= s, P[r, s] * T.exp2(gc_sh[r] - gc_sh[s]) * scale, 0.0), 0.0)
+        T.copy(P, P_sh)
         for r, j in T.Parallel(C, BV):
-            KdS[r, j] = KdS[r, j] * T.exp2(gc_sh[C - 1] - gc_sh[r])
+            KdS[r, j] = KdS[r, j] * tail[r]
         T.sync_threads()
 
         # dV' = P^T dOs + diag(gamma_last / gamma) K dS (chain), with dS += (gamma Q)^T dOs alongside
@@ -86,7 +91,8 @@ def build_chunk_dstates(dtype: str, block_v: int):
         T.wait_wgmma(1)
         T.warpgroup_fence_operand(KdS, num_regs=C * BV // threads)
         for r, j in T.Parallel(C, BV):
-            X_sh[r, j] = T.if_then_else(r < n_rows, -KdS[r, j], 0.0)  # dV', negated for the W^T product
+            KdS[r, j] = T.if_then_else(r < n_rows, -KdS[r, j], 0.0)  # dV', negated for the W^T product
+        T.copy(KdS, X_sh)
         T.sync_threads()
 
         # dS = gamma_last dS + (gamma Q)^T dOs - W^T dV'
@@ -128,6 +134,7 @@ def build_chunk_dstates(dtype: str, block_v: int):
             dO0, dO1 = T.alloc_shared((C, BV), dtype), T.alloc_shared((C, BV), dtype)
             graw0, graw1 = T.alloc_shared((C,), "float32"), T.alloc_shared((C,), "float32")
             gc_sh = T.alloc_shared((C,), "float32")
+            gs_sh = T.alloc_shared((C,), "float32")
             dS_sh = T.alloc_shared((D, BV), dtype)
             X_sh = T.alloc_shared((C, BV), dtype)
             dOg_sh = T.alloc_shared((C, BV), dtype)
@@ -135,6 +142,8 @@ def build_chunk_dstates(dtype: str, block_v: int):
             dS = T.alloc_fragment((D, BV), "float32")
             KdS = T.alloc_fragment((C, BV), "float32")
             P = T.alloc_fragment((C, C), "float32")
+            tail = T.alloc_fragment((C,), "float32")  # gamma_last / gamma of each row
+            decay = T.alloc_var("float32")  # gamma_last
 
             if use_dht != 0:
                 T.copy(dht[state_row, 0:D, v0:v0 + BV], dS)
@@ -156,7 +165,7 @@ def build_chunk_dstates(dtype: str, block_v: int):
                         T.ptx_wait_group(0)
                     T.sync_threads()
                     chunk_step(dh_out, chunk_index, n_rows, h, v0, scale, Q0, K0, W0, dO0, graw0, gc_sh, dS_sh, X_sh,
-                               dOg_sh, P_sh, dS, KdS, P)
+                               dOg_sh, P_sh, gs_sh, dS, KdS, P, tail, decay)
                 else:
                     if i + 1 < num_chunks:
                         load_chunk(q, k, w, do, gcum, bos + (c - 1) * C, hk, h, v0, Q0, K0, W0, dO0, graw0)
@@ -165,7 +174,7 @@ def build_chunk_dstates(dtype: str, block_v: int):
                         T.ptx_wait_group(0)
                     T.sync_threads()
                     chunk_step(dh_out, chunk_index, n_rows, h, v0, scale, Q1, K1, W1, dO1, graw1, gc_sh, dS_sh, X_sh,
-                               dOg_sh, P_sh, dS, KdS, P)
+                               dOg_sh, P_sh, gs_sh, dS, KdS, P, tail, decay)
                 T.sync_threads()
 
             if store_dh0 != 0:

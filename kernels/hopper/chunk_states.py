@@ -63,7 +63,7 @@ def build_chunk_states(dtype: str, block_v: int):
 
     @T.macro
     def chunk_step(h_out, vnew, t0, n_rows, chunk_index, h, v0, store_chunks, use_u, K_s, W_s, U_s, graw_s, gc_sh, S_sh,
-                   Vs_sh, S, Vn):
+                   Vs_sh, S, Vn, tail, decay):
         """One chunk of the walk; use_u = 0 walks U = 0 (the transition product's columns)."""
         if n_rows < C:
             for r, d in T.Parallel(C, D):
@@ -76,8 +76,11 @@ def build_chunk_states(dtype: str, block_v: int):
 
         # V' = U - W S (asynchronous WGMMA: gamma_last S is formed while it runs)
         T.wgmma_gemm(W_s, S_sh, Vn, clear_accum=True)
+        for r in T.Parallel(C):
+            tail[r] = T.exp2(gc_sh[C - 1] - gc_sh[r])
+        decay = T.exp2(gc_sh[C - 1])
         for i, j in T.Parallel(D, BV):
-            S[i, j] = S[i, j] * T.exp2(gc_sh[C - 1])
+            S[i, j] = S[i, j] * decay
         T.wait_wgmma(0)
         T.warpgroup_fence_operand(Vn, num_regs=C * BV // threads)
         if use_u != 0:
@@ -87,7 +90,7 @@ def build_chunk_states(dtype: str, block_v: int):
             for r, j in T.Parallel(C, BV):
                 Vn[r, j] = -Vn[r, j]
         for r, j in T.Parallel(C, BV):
-            Vs_sh[r, j] = Vn[r, j] * T.exp2(gc_sh[C - 1] - gc_sh[r])
+            Vs_sh[r, j] = Vn[r, j] * tail[r]
         T.sync_threads()
 
         # S = gamma_last S + K^T diag(gamma_last / gamma) V'; V' leaves while the product runs
@@ -149,6 +152,8 @@ def build_chunk_states(dtype: str, block_v: int):
             Vs_sh = T.alloc_shared((C, BV), dtype)
             S = T.alloc_fragment((D, BV), "float32")
             Vn = T.alloc_fragment((C, BV), "float32")
+            tail = T.alloc_fragment((C,), "float32")  # gamma_last / gamma of each row
+            decay = T.alloc_var("float32")  # gamma_last
 
             if walks_u == 0:
                 for i, j in T.Parallel(D, BV):
@@ -175,7 +180,7 @@ def build_chunk_states(dtype: str, block_v: int):
                         T.ptx_wait_group(0)
                     T.sync_threads()
                     chunk_step(h_out, vnew, t0, n_rows, chunk_index, h, v0, store_chunks, walks_u, K0, W0, U0, graw0, gc_sh, S_sh, Vs_sh,
-                               S, Vn)
+                               S, Vn, tail, decay)
                 else:
                     if c + 1 < num_chunks:
                         load_chunk(k, w, u, gcum, t0 + C, hk, h, v0, K0, W0, U0, graw0)
@@ -184,7 +189,7 @@ def build_chunk_states(dtype: str, block_v: int):
                         T.ptx_wait_group(0)
                     T.sync_threads()
                     chunk_step(h_out, vnew, t0, n_rows, chunk_index, h, v0, store_chunks, walks_u, K1, W1, U1, graw1, gc_sh, S_sh, Vs_sh,
-                               S, Vn)
+                               S, Vn, tail, decay)
                 T.sync_threads()  # the stage just used is refilled by the next iteration's loads
 
             if store_ht != 0:

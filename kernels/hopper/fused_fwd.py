@@ -108,7 +108,8 @@ def build_fused_fwd(dtype: str, block_v: int, threads: int = 256):
         T.warpgroup_fence_operand(O, num_regs=C * BV // threads)
         T.warpgroup_fence_operand(P, num_regs=C * C // threads)
         for r, s in T.Parallel(C, C):
-            P_sh[r, s] = T.if_then_else(r >= s, P[r, s] * T.exp2(gc_sh[r] - gc_sh[s]), 0.0)
+            P[r, s] = T.if_then_else(r >= s, P[r, s] * T.exp2(gc_sh[r] - gc_sh[s]), 0.0)
+        T.copy(P, P_sh)
         for r, j in T.Parallel(C, BV):
             O[r, j] = O[r, j] * gam[r]
         for i, j in T.Parallel(D, BV):
