@@ -6,10 +6,7 @@ that compute what the kernel docstrings say, step by step (explicit backward for
 roundings), and the autograd functions of flashqla/layers/fused.py are checked against autograd of the
 torch references. The kernels themselves are checked on an H200 by tests/gpu/test_tilelang_layer_ops.py.
 """
-import os
 import shutil
-from concurrent.futures import ProcessPoolExecutor
-from multiprocessing import get_context
 
 import pytest
 import torch
@@ -18,6 +15,7 @@ from flashqla.layers import fused
 from flashqla.layers.conv import causal_conv1d, causal_conv1d_reference
 from flashqla.layers.norm import gated_rms_norm, gated_rms_norm_reference
 from gdn_inputs import rel_err
+from parallel_compile import compile_all
 
 tilelang = pytest.importorskip("tilelang")
 
@@ -31,14 +29,9 @@ needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is no
 
 @pytest.fixture(scope="module")
 def compiled_in_parallel():
-    """Compiles every configuration into TileLang's cache with one process per CPU (flashqla precompile's
-    workers), so the per-configuration tests below only load them."""
-    from flashqla.kernels.cache import tilelang_cache_dir
-    from flashqla.precompile import _compile_one, _init_worker
-
-    with ProcessPoolExecutor(max_workers=min(len(CONFIGS), os.cpu_count() or 1), mp_context=get_context("spawn"),
-                             initializer=_init_worker, initargs=(str(tilelang_cache_dir()),)) as pool:
-        list(pool.map(_compile_one, *zip(*[(b.__module__, b.__name__, a) for b, a in CONFIGS])))
+    """Compiles every configuration into TileLang's cache with one process per CPU, so the
+    per-configuration tests below only load them."""
+    compile_all(CONFIGS)
 
 
 @needs_nvcc

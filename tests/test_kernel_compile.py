@@ -11,12 +11,19 @@ tilelang = pytest.importorskip("tilelang")
 pytestmark = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on PATH")
 
 from flashqla.kernels.hopper import launch  # noqa: E402
+from parallel_compile import compile_all  # noqa: E402
 
 CONFIGS = list(launch.kernel_configs())
 
 
+@pytest.fixture(scope="module")
+def compiled_in_parallel():
+    """Every configuration lowered and compiled once, one process per CPU; the tests below load them."""
+    compile_all(CONFIGS)
+
+
 @pytest.mark.parametrize("builder,args", CONFIGS, ids=[f"{b.__name__}{a}" for b, a in CONFIGS])
-def test_kernel_compiles_for_sm90a(builder, args):
+def test_kernel_compiles_for_sm90a(compiled_in_parallel, builder, args):
     kernel = builder(*args)
     source = kernel.get_kernel_source()
     if builder is launch.compiled_segment_chain:  # fp32 products: on tensor cores they would be TF32
