@@ -136,15 +136,20 @@ def build_chunk_bwd_local(dtype: str):
             last = T.max(n_rows - 1, 0)
 
             if n_rows > 0:
-                # all seven tiles in flight at once (cp.async, bounds-checked), one wait
-                T.async_copy(q[t0:t0 + C, hk, 0:D], Q_s)
+                # all seven tiles in flight at once (cp.async, bounds-checked, one commit group each), in the
+                # order of first use: the work on K, S, V and A starts once those four have landed, while Q,
+                # dS and dO are still on their way
                 T.async_copy(k[t0:t0 + C, hk, 0:D], K_s)
-                T.async_copy(do[t0:t0 + C, hv, 0:D], dO_s)
+                T.async_copy(h[chunk, hv, 0:D, 0:D], S_s)
                 T.async_copy(v[t0:t0 + C, hv, 0:D], CD1_s)
                 T.async_copy(A[t0:t0 + C, hv, 0:C], A_s)
-                T.async_copy(h[chunk, hv, 0:D, 0:D], S_s)
+                T.async_copy(q[t0:t0 + C, hk, 0:D], Q_s)
                 T.async_copy(dh[chunk, hv, 0:D, 0:D], dS_s)
-                T.ptx_wait_group(0)
+                T.async_copy(do[t0:t0 + C, hv, 0:D], dO_s)
+                if n_rows < C:
+                    T.ptx_wait_group(0)  # a sequence's last chunk: everything, for the zero padding below
+                else:
+                    T.ptx_wait_group(3)
                 T.sync_threads()
                 if n_rows < C:  # rows past the sequence end: the reference grid's zero padding
                     for r, j in T.Parallel(C, D):
@@ -181,6 +186,8 @@ def build_chunk_bwd_local(dtype: str):
                 T.copy(tmp, CD2_s)
 
                 # P = Gamma o Q K^T (fp32 in P); CC1 <- scale P, so that CC1^T dO = P^T dOs
+                T.ptx_wait_group(2)  # Q
+                T.sync_threads()
                 T.gemm(Q_s, K_s, P, transpose_B=True, clear_accum=True)
                 for r, s in T.Parallel(C, C):
                     P[r, s] = P[r, s] * Gam[r, s]
@@ -188,6 +195,8 @@ def build_chunk_bwd_local(dtype: str):
                     CC1_s[r, s] = P[r, s] * scale
 
                 # dV_new = P^T dOs + diag(gamma_last / gamma) K dS
+                T.ptx_wait_group(0)  # dS, dO
+                T.sync_threads()
                 T.gemm(K_s, dS_s, tmp, clear_accum=True)
                 T.gemm(CC1_s, dO_s, dVn, transpose_A=True, clear_accum=True)
                 for r, j in T.Parallel(C, D):

@@ -34,10 +34,10 @@ what is off the walk's serial chain (K S -> V' -> S) runs beside it: H200, 2026-
 2.34 -> 2.17 ms at (16, 32) x 32K x 1 sequence (block_v 32), 0.61 -> 0.56 at (4, 8) x 32K x 4, level at
 block_v 64 and 128 (docs/benchmarks.md, eleventh session). The gate mask of Ab moved to wy_inverse, the
 row decays computed once per row instead of per element (192 exp2 per thread and chunk in the
-generated code, now 21) and the tiles leaving through stmatrix / 16-byte stores: the public op's forward
-10% faster on issue #3's configs (2.34 -> 2.09 ms at (16, 64) x 8K x 4, 0.433 -> 0.342 at (2, 8) x 4K x 8;
-docs/benchmarks.md, twelfth session). A warp-specialised producer/consumer version (TMA + mbarriers) is
-future work.
+generated code, now 21) and the tiles leaving through stmatrix / 16-byte stores: with the same changes in
+the walks, the public op's forward 1.15-1.35x faster on issue #3's configs (2.33 -> 1.94 ms at (16, 64) x
+8K x 4, 0.425 -> 0.315 at (2, 8) x 4K x 8; docs/kernels.md and docs/benchmarks.md, twelfth session).
+A warp-specialised producer/consumer version (TMA + mbarriers) is future work.
 """
 import tilelang
 import tilelang.language as T
