@@ -101,8 +101,8 @@ def build_fused_fwd(dtype: str, block_v: int, threads: int = 256):
         T.copy(KS, Vd_sh)
         T.sync_threads()
 
-        # 4. V' = (Gamma o Ab) Vd (wy_inverse stored Ab with its gate mask); meanwhile the score mask,
-        # gamma on QS, gamma_last on S
+        # 4. V' = Ab Vd (Ab carries its gate mask from wy_inverse); meanwhile the score mask, gamma on QS,
+        # gamma_last on S
         T.wgmma_gemm(Ab_s, Vd_sh, Vn, clear_accum=True)
         T.wait_wgmma(1)
         T.warpgroup_fence_operand(O, num_regs=C * BV // threads)
@@ -123,8 +123,7 @@ def build_fused_fwd(dtype: str, block_v: int, threads: int = 256):
         T.sync_threads()
 
         # 5-6. the state update (critical path) and O = scale (gamma QS + Pm V'), issued together; O leaves
-        # through its own shared tile, 16 bytes per thread and store (staged in Vd's tile, free since V',
-        # TileLang's barrier planner put a barrier inside the next chunk's Vd loop)
+        # through its own shared tile, 16 bytes per thread and store
         T.wgmma_gemm(K_s, Vs_sh, S, transpose_A=True)
         T.wgmma_gemm(P_sh, Vn_sh, O)
         T.wait_wgmma(1)

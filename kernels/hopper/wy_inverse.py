@@ -12,8 +12,9 @@ For every 64-token chunk of every packed sequence and every v-head h (reading k-
 Ab, W and U are stored in the input dtype. diag(beta) is folded into the columns of A because the
 forward only ever uses A diag(beta), and the gate factor Gamma commutes with that column scaling; the
 lower-triangular decay mask Gamma (exp2 of base-2 gate differences, each <= 0) is applied before the one
-rounding to the input dtype, so the fused walk uses Ab as it is. The backward needs A itself (its dbeta and dA terms, chunk_bwd_local.py): with the runtime flag `store_a`
-the `Ab` output holds A = (I + StrictLower(diag(beta) K K^T))^{-1} instead (W and U are unchanged).
+rounding to the input dtype, so the fused walk uses Ab as it is. The backward needs A itself (its dbeta
+and dA terms, chunk_bwd_local.py): with the runtime flag `store_a` the `Ab` output holds
+A = (I + StrictLower(diag(beta) K K^T))^{-1} instead (W and U are unchanged).
 With `store_wu` = 0 the kernel stops after Ab and gcum: the fused forward reads nothing else, so the V
 load, the two products and the W/U stores (2 x 256 bytes per token and v-head) are skipped, and `w`, `u`
 are never written. The inverse needs no exp; the gates enter only Ab, W and U.
