@@ -89,15 +89,20 @@ def emulate_chunk_states(k, w, u, gcum, cu, offsets, h0, h_out, vnew, ht, mt, ac
     hk = _qk_heads(k.shape[1], Hv)
     # walk 0: U from h0 (the states, or S*); walk 1 (with_transition): U = 0 from I, into mt (M)
     for kind in range(1 + with_transition):
-        runs = active.view(2, N, Hv)[kind].bool() if use_active else torch.ones(N, Hv, dtype=torch.bool)
+        # active a: 0 skips the walk (zeros stored), a >= 1 starts it from S0 at chunk a - 1
+        first = (active.view(2, N, Hv)[kind].long() - 1) if use_active else torch.zeros(N, Hv, dtype=torch.long)
+        runs = first >= 0
         S = None
         for n, c, t0, rows in _chunks(cu):
             if c == 0:
                 if kind == 0:
-                    S = _start_state(h0, n, use_h0, Hv, D)
+                    S0 = _start_state(h0, n, use_h0, Hv, D)
                 else:
-                    S = torch.eye(D, dtype=torch.float64).expand(Hv, D, D).clone()
-                S = S * runs[n, :, None, None]  # a skipped walk stores zeros
+                    S0 = torch.eye(D, dtype=torch.float64).expand(Hv, D, D).clone()
+                S0 = S0 * runs[n, :, None, None]  # a skipped walk stores zeros
+                S = S0
+            restart = (first[n] == c)[:, None, None]  # the walks that start at this chunk
+            S = torch.where(restart, S0, S)
             _, _, _, gamma_last, to_end = _gates(gcum, t0, rows)
             if store_chunks:
                 h_out[offsets[n] + c] = S.to(h_out.dtype)

@@ -1,4 +1,6 @@
 """Intra-card CP (segments) on the torch backend: exact mode, warmup mode, planning."""
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -146,8 +148,6 @@ class TorchKernels:
 
     @staticmethod
     def prepare(q, k, v, g, beta, cu, chunk_offsets=None):
-        from types import SimpleNamespace
-
         bounds = cu.tolist()
         gcum = g[0].t().clone()  # [Hv, T]: the chunk-local cumulative gate, as wy_inverse stores it
         for bos, eos in zip(bounds[:-1], bounds[1:]):
@@ -168,9 +168,14 @@ class TorchKernels:
         K = x.k.shape[-1]
         eye = torch.eye(K, dtype=S_star.dtype).expand(x.num_seqs, x.num_v_heads, K, K)
         M = self.walk(x, eye, use_u=False)[2] if with_transition else None
+        if active is not None and (active[0] > 1).any():  # S* walks from a restart chunk: V = 0 before it
+            v = x.v.clone()
+            for row, head in (active[0] > 1).nonzero().tolist():
+                v[0, x.cu[row]:x.cu[row] + 64 * (int(active[0, row, head]) - 1), head] = 0
+            _, _, S_star = self.walk(SimpleNamespace(**{**vars(x), "v": v}), None)
         if active is not None:  # the kernel stores zeros for the walks it skips
-            S_star = S_star * active[0, :, :, None, None]
-            M = M * active[1, :, :, None, None]
+            S_star = S_star * (active[0] > 0)[:, :, None, None]
+            M = M * (active[1] > 0)[:, :, None, None]
         return S_star, M
 
     def output(self, x, h, vnew, scale):
@@ -232,17 +237,36 @@ def test_summary_walks_run_only_where_the_chain_reads_them():
     assert rel_err(o[..., 0, :], o_ref[..., 0, :]) <= 1e-12 and rel_err(o, o_ref) <= 1e-4
 
 
-def test_segment_log_decay_sums_the_gates_of_every_segment():
-    from flashqla.cp.segments import _plan_tensors, _segment_log_decay
+def test_warmup_starts_are_the_last_chunk_from_which_the_gates_sum_below_the_threshold():
+    from flashqla.cp.segments import _plan_tensors, _warmup_starts
 
     lengths = (300, 1, 200, 64, 129)
     plan = plan_segments(tuple(random_cu_seqlens(lengths)[:-1].tolist()), lengths, 2)
-    g = -torch.rand(sum(lengths), 3, dtype=torch.float64)
+    g = -3 * torch.rand(sum(lengths), 3, dtype=torch.float64)
+    g[:, 0] = 0.0  # never decays: -1 everywhere
     x = TorchKernels.prepare(None, None, torch.zeros(1, sum(lengths), 3, 1), g[None], None,
                              torch.tensor(plan.starts + (sum(lengths),)))
-    expected = torch.stack([g[s:s + n].sum(0) for s, n in zip(plan.starts, plan.lengths)])
-    got = _segment_log_decay(x.gcum, _plan_tensors(plan, sum(lengths), torch.device("cpu")))
-    assert torch.allclose(got, expected, rtol=1e-12, atol=1e-12)
+    got = _warmup_starts(x.gcum, _plan_tensors(plan, sum(lengths), torch.device("cpu")), -40.0)
+    for row, (start, length) in enumerate(zip(plan.starts, plan.lengths)):
+        chunk_sums = [g[t:min(t + 64, start + length)].sum(0) for t in range(start, start + length, 64)]
+        for head in range(3):
+            below = [c for c in range(len(chunk_sums)) if sum(s[head] for s in chunk_sums[c:]) < -40.0]
+            assert got[row, head] == (below[-1] if below else -1), (row, head)
+    assert (got[:, 0] == -1).all() and (got[:, 1:] >= 0).any()
+
+
+def test_kernel_path_warmup_restarts_where_the_torch_backend_does():
+    """The summary walk of a warmed-up head starts at the restart chunk (not at the segment start): the
+    composition then computes what the torch backend's warmup computes, to float64 rounding."""
+    args = make_inputs(1, 64 * 24, 1, 3, 16, 16, dtype=torch.float64, zero_heads=(0,), seed=24, requires_grad=False)
+    args["g"][..., 1] = -0.05  # -3.2 per chunk: restart 4 chunks before the end of each 8-chunk segment
+    args["g"][..., 2] = -1.0  # -64 per chunk: restart at the last chunk
+    kernels = TorchKernels()
+    o, ht = composed(args, None, 8, -10.0, kernels=kernels)
+    assert kernels.active[0, :2, 1:].tolist() == [[5, 8], [5, 8]]  # 1 + restart chunk
+    o_ref, ht_ref = flashqla.chunk_gated_delta_rule(**args, scale=0.25, output_final_state=True, intra_cp=8,
+                                                    cp_warmup=-10.0)
+    assert rel_err(o, o_ref) <= 1e-12 and rel_err(ht, ht_ref) <= 1e-12
 
 
 def test_segments_as_packed_sequences_warm_up_over_the_previous_segment():

@@ -7,8 +7,9 @@ A segment is a shorter sequence with its own initial state. After one `wy_invers
    each only where the chain reads it (no S* for a sequence's last segment; M only for a (segment,
    head) on the exact path, next to a nonzero state);
 2. the chain S_{j,0} = S*_{j-1} + [exact] M_{j-1} S_{j-1,0} in fp32 (one `segment_chain` launch), where a
-   head takes the M term only when the previous segment's summed log-decay stays above `cp_warmup`
-   (the neglected term is then below e^cp_warmup of the state it multiplies);
+   head takes the M term only when the previous segment's summed log-decay stays above `cp_warmup`;
+   elsewhere S*_{j-1} is the warmup state, the walk of only the last chunks of segment j-1 whose gates
+   sum below `cp_warmup`, from zero (the neglected term is below e^cp_warmup of the state it multiplies);
 3. the walk from every S_{j,0}: `fused_fwd` (outputs in the walk) when segments x heads fill the GPU
    (`launch.use_fused`), else the state walk storing the per-chunk states, then `chunk_output`.
 
@@ -45,6 +46,11 @@ class _PlanTensors:
     last: torch.Tensor  # [sequences] its last row (int32)
     chunk_last_token: torch.Tensor  # [chunks] last token of every chunk of the stream
     chunk_row: torch.Tensor  # [chunks] its row
+    # [rows, longest row's chunks]: the last token of every row's chunks from its last chunk back (any
+    # token past a row's chunks), and which entries are chunks; [rows]: chunks per row - 1
+    back_last_token: torch.Tensor
+    back_is_chunk: torch.Tensor
+    last_chunk: torch.Tensor
     num_tokens: int
     first_row: int  # on the host (indexing with a device scalar would sync): the first sequence's first row
     last_row: int  # the last sequence's last row
@@ -64,16 +70,27 @@ def _plan_tensors(plan: SegmentPlan, num_tokens: int, device: torch.device) -> _
     cu = as_tensor(plan.starts + (plan.starts[-1] + plan.lengths[-1],), torch.int32)
     # what launch.chunk_offsets_of(cu) computes on the device, once per plan
     chunk_offsets = as_tensor(list(itertools.accumulate(chunks, initial=0)), torch.int32)
+    longest = max(chunks)
+    back = [[chunk_last[offset + count - 1 - p] if p < count else 0 for p in range(longest)]
+            for offset, count in zip(itertools.accumulate(chunks, initial=0), chunks)]
+    back_is_chunk = as_tensor([[p < count for p in range(longest)] for count in chunks], torch.bool)
     return _PlanTensors(cu, chunk_offsets, position > 0, has_next, as_tensor(plan.first_rows, torch.int32),
-                        as_tensor(plan.last_rows, torch.int32), as_tensor(chunk_last), as_tensor(chunk_row), num_tokens,
+                        as_tensor(plan.last_rows, torch.int32), as_tensor(chunk_last), as_tensor(chunk_row),
+                        as_tensor(back), back_is_chunk, as_tensor([count - 1 for count in chunks]), num_tokens,
                         plan.first_rows[0], plan.last_rows[-1], plan.position[plan.last_rows[-1]] > 0)
 
 
-def _segment_log_decay(gcum: torch.Tensor, idx: _PlanTensors) -> torch.Tensor:
-    """Sum of g over every segment [rows, Hv] (fp32): the chunk-local cumulative gates `gcum` [Hv, T]
-    at every chunk's last token, summed per row (a few hundred values instead of the whole stream)."""
-    per_chunk = gcum[:, idx.chunk_last_token].t()
-    return per_chunk.new_zeros(idx.cu.numel() - 1, gcum.shape[0]).index_add_(0, idx.chunk_row, per_chunk)
+def _warmup_starts(gcum: torch.Tensor, idx: _PlanTensors, cp_warmup: float) -> torch.Tensor:
+    """[rows, Hv] int64: where the state leaving each segment can restart from zero (design doc §4), the
+    last chunk c (counted within its segment) whose gates summed over chunks c .. end stay below
+    `cp_warmup`; -1 where even the whole segment's sum does not (the exact path). The chunk sums are
+    `gcum` [Hv, T] at every chunk's last token, gathered from each segment's end back and summed along it
+    (a handful of small launches, no scatter, no scan across the stream)."""
+    back_sums = gcum[:, idx.back_last_token].cumsum(-1)  # [Hv, rows, p]: chunks end - p .. end
+    below = (back_sums < cp_warmup) & idx.back_is_chunk
+    found = below.any(-1)
+    starts = idx.last_chunk - below.int().argmax(-1)  # the first p back from the end that is below
+    return torch.where(found, starts, -1).t()
 
 
 def _into_next(idx: _PlanTensors, exact, into_final: bool):
@@ -107,9 +124,17 @@ def _segment_summaries(hopper, x, idx: _PlanTensors, cp_warmup, has_h0: bool, dh
     """(S*_j, M_j, exact mask [rows, Hv]) of every segment from zero: step 1 above (no initial state
     needed, only whether one will come), fp32."""
     exact = idx.has_prev[:, None].expand(-1, x.num_v_heads).clone()
+    starts = None
     if cp_warmup is not None:
-        exact[1:] &= _segment_log_decay(x.gcum, idx)[:-1] >= cp_warmup  # row j reads the decay of row j-1
-    active = _summaries_needed(idx, exact, has_h0, dht_given, leaving)
+        starts = _warmup_starts(x.gcum, idx, cp_warmup)
+        exact[1:] &= starts[:-1] < 0  # row j starts from the exact chain where row j - 1 never decays enough
+    active = _summaries_needed(idx, exact, has_h0, dht_given, leaving).int()
+    if starts is not None:
+        # S*_j feeding a segment j + 1 that warms up: the walk of segment j's chunks from its restart chunk
+        # on, from zero (hopper.summaries walks from chunk a - 1 where active = a)
+        warms_next = torch.zeros_like(exact)
+        warms_next[:-1] = idx.has_next[:-1, None] & ~exact[1:]
+        active[0] = torch.where(warms_next, starts.int() + 1, active[0])
     S_star, M = hopper.summaries(x, with_transition=True, active=active)
     return S_star, M, exact
 

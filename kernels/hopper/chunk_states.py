@@ -16,7 +16,11 @@ Runtime flags make the same kernel the state-only summary of intra-card CP (desi
 doubles the grid's V tiles: the second half walks U = 0 from S0 = I and ends at the segment's transition
 product M (S_end = M S0 + S*), stored in `mt`. The columns of S evolve independently (V' = U - W S and
 the update act column by column), so S* and M are one walk of [U | 0] from [S0 | I], run as separate
-CTAs. `active[kind, n, h]` (with `use_active`) skips the walks nobody reads: a skipped walk stores zeros.
+CTAs. `active[kind, n, h]` (with `use_active`) skips the walks nobody reads (0: a skipped walk stores
+zeros) and says where the others start: a walk with active = a >= 1 starts from S0 at chunk a - 1 of
+its sequence, skipping the chunks before it (intra-card CP's warmup restart, design doc §4: the state
+leaving a segment from its last few chunks only, where the gates decay enough over them; summaries only,
+store_chunks = 0).
 
 Rows past the end of a sequence: K rows are zeroed after they land (they cannot touch S), gate rows
 repeat the last valid one (gamma_last is the gate at the last token, no exp2 argument is positive), and
@@ -135,13 +139,16 @@ def build_chunk_states(dtype: str, block_v: int):
             v0 = (bv % (D // BV)) * BV
             state_row = n * num_v_heads + h
             num_chunks = T.alloc_var("int32")
+            first_chunk = T.alloc_var("int32")  # the walk runs chunks first_chunk .. num_chunks - 1
             skipped = T.alloc_var("int32")
             num_chunks = T.ceildiv(eos - bos, C)
+            first_chunk = 0
             skipped = 0
             if use_active != 0:
-                if active[((bv // (D // BV)) * num_seqs + n) * num_v_heads + h] == 0:
+                first_chunk = T.min(active[((bv // (D // BV)) * num_seqs + n) * num_v_heads + h] - 1, num_chunks)
+                if first_chunk < 0:
                     skipped = 1
-                    num_chunks = 0
+                    first_chunk = num_chunks
 
             K0, K1 = T.alloc_shared((C, D), dtype), T.alloc_shared((C, D), dtype)
             W0, W1 = T.alloc_shared((C, D), dtype), T.alloc_shared((C, D), dtype)
@@ -165,14 +172,15 @@ def build_chunk_states(dtype: str, block_v: int):
             if skipped != 0:  # a walk nobody reads stores zeros
                 T.clear(S)
             T.copy(S, S_sh)
-            if num_chunks > 0:
-                load_chunk(k, w, u, gcum, bos, hk, h, v0, K0, W0, U0, graw0)
+            if first_chunk < num_chunks:
+                load_chunk(k, w, u, gcum, bos + first_chunk * C, hk, h, v0, K0, W0, U0, graw0)
 
-            for c in T.serial(num_chunks):
+            for i in T.serial(num_chunks - first_chunk):  # i counts the walk's chunks: its parity picks the stage
+                c = first_chunk + i
                 t0 = bos + c * C
                 n_rows = T.min(C, eos - t0)
                 chunk_index = chunk_offsets[n] + c
-                if c % 2 == 0:
+                if i % 2 == 0:
                     if c + 1 < num_chunks:
                         load_chunk(k, w, u, gcum, t0 + C, hk, h, v0, K1, W1, U1, graw1)
                         T.ptx_wait_group(4)

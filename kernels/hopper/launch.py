@@ -249,8 +249,9 @@ def walk(x: ChunkedCall, h0=None, *, store_final=True):
 def summaries(x: ChunkedCall, with_transition: bool, active=None):
     """(S*, M or None) of every sequence of `x`, fp32 [N, Hv, 128, 128], from one state-only walk: S* from
     the zero state and, with_transition, the transition product M (the walk of U = 0 from S0 = I; S_end =
-    M S_start + S*, design doc §3) in the same launch. active: bool [2, N, Hv] or None (all): which S* (0)
-    and M (1) to compute; the others come back as zeros."""
+    M S_start + S*, design doc §3) in the same launch. active: int or bool [2, N, Hv] or None (all): which
+    S* (0) and M (1) to compute (0: none, zeros come back) and from which chunk: a walk with active = a
+    starts at chunk a - 1 of its sequence (1 or True: the whole sequence; more: a warmup restart)."""
     _, _, S_star, M = _launch_walk(x, None, store_chunks=False, store_final=True, with_transition=with_transition,
                                    active=active)
     return S_star, M
