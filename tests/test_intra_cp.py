@@ -237,22 +237,23 @@ def test_summary_walks_run_only_where_the_chain_reads_them():
     assert rel_err(o[..., 0, :], o_ref[..., 0, :]) <= 1e-12 and rel_err(o, o_ref) <= 1e-4
 
 
-def test_warmup_starts_are_the_last_chunk_from_which_the_gates_sum_below_the_threshold():
-    from flashqla.cp.segments import _plan_tensors, _warmup_starts
+def test_warmup_restarts_at_the_last_chunk_from_which_the_gates_sum_below_the_threshold():
+    from flashqla.cp.segments import _plan_tensors, _warmup
 
     lengths = (300, 1, 200, 64, 129)
     plan = plan_segments(tuple(random_cu_seqlens(lengths)[:-1].tolist()), lengths, 2)
     g = -3 * torch.rand(sum(lengths), 3, dtype=torch.float64)
-    g[:, 0] = 0.0  # never decays: -1 everywhere
+    g[:, 0] = 0.0  # never decays: not warm anywhere
     x = TorchKernels.prepare(None, None, torch.zeros(1, sum(lengths), 3, 1), g[None], None,
                              torch.tensor(plan.starts + (sum(lengths),)))
-    got = _warmup_starts(x.gcum, _plan_tensors(plan, sum(lengths), torch.device("cpu")), -40.0)
+    warm, walk_from = _warmup(x.gcum, _plan_tensors(plan, sum(lengths), torch.device("cpu")), -40.0)
     for row, (start, length) in enumerate(zip(plan.starts, plan.lengths)):
         chunk_sums = [g[t:min(t + 64, start + length)].sum(0) for t in range(start, start + length, 64)]
         for head in range(3):
             below = [c for c in range(len(chunk_sums)) if sum(s[head] for s in chunk_sums[c:]) < -40.0]
-            assert got[row, head] == (below[-1] if below else -1), (row, head)
-    assert (got[:, 0] == -1).all() and (got[:, 1:] >= 0).any()
+            assert bool(warm[row, head]) == bool(below), (row, head)
+            assert walk_from[row, head] == (below[-1] + 1 if below else 1), (row, head)
+    assert not warm[:, 0].any() and (walk_from[:, 1:] > 1).any()
 
 
 def test_kernel_path_warmup_restarts_where_the_torch_backend_does():

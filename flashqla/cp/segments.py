@@ -43,14 +43,17 @@ class _PlanTensors:
     has_prev: torch.Tensor  # [rows] bool
     has_next: torch.Tensor  # [rows] bool
     first: torch.Tensor  # [sequences] first row of every sequence (int32)
+    first_index: torch.Tensor  # the same as int64, for index_fill_ / index_copy_
     last: torch.Tensor  # [sequences] its last row (int32)
-    chunk_last_token: torch.Tensor  # [chunks] last token of every chunk of the stream
-    chunk_row: torch.Tensor  # [chunks] its row
+    last_index: torch.Tensor  # the same as int64, for index_fill_ / index_copy_
     # [rows, longest row's chunks]: the last token of every row's chunks from its last chunk back (any
-    # token past a row's chunks), and which entries are chunks; [rows]: chunks per row - 1
+    # token past a row's chunks), and which entries are chunks; [rows]: chunks per row
     back_last_token: torch.Tensor
     back_is_chunk: torch.Tensor
-    last_chunk: torch.Tensor
+    chunks_per_row: torch.Tensor
+    # (has_h0, dht_given) -> ([rows, 1] bool, [rows, 1] bool): the rows whose M a chain reads when the next
+    # segment is on the exact path, and those that read it whatever the warmup (`_M_rows`)
+    M_rows: dict
     num_tokens: int
     first_row: int  # on the host (indexing with a device scalar would sync): the first sequence's first row
     last_row: int  # the last sequence's last row
@@ -63,34 +66,54 @@ def _plan_tensors(plan: SegmentPlan, num_tokens: int, device: torch.device) -> _
     chunks = [-(-length // CHUNK) for length in plan.lengths]
     chunk_last = [start + min((c + 1) * CHUNK, length) - 1
                   for start, length, count in zip(plan.starts, plan.lengths, chunks) for c in range(count)]
-    chunk_row = [row for row, count in enumerate(chunks) for _ in range(count)]
     position = as_tensor(plan.position)
     has_next = torch.zeros_like(position, dtype=torch.bool)
     has_next[:-1] = position[1:] > 0
     cu = as_tensor(plan.starts + (plan.starts[-1] + plan.lengths[-1],), torch.int32)
     # what launch.chunk_offsets_of(cu) computes on the device, once per plan
-    chunk_offsets = as_tensor(list(itertools.accumulate(chunks, initial=0)), torch.int32)
+    offsets = list(itertools.accumulate(chunks, initial=0))
+    chunk_offsets = as_tensor(offsets, torch.int32)
     longest = max(chunks)
     back = [[chunk_last[offset + count - 1 - p] if p < count else 0 for p in range(longest)]
-            for offset, count in zip(itertools.accumulate(chunks, initial=0), chunks)]
+            for offset, count in zip(offsets, chunks)]
     back_is_chunk = as_tensor([[p < count for p in range(longest)] for count in chunks], torch.bool)
     return _PlanTensors(cu, chunk_offsets, position > 0, has_next, as_tensor(plan.first_rows, torch.int32),
-                        as_tensor(plan.last_rows, torch.int32), as_tensor(chunk_last), as_tensor(chunk_row),
-                        as_tensor(back), back_is_chunk, as_tensor([count - 1 for count in chunks]), num_tokens,
+                        as_tensor(plan.first_rows), as_tensor(plan.last_rows, torch.int32), as_tensor(plan.last_rows),
+                        as_tensor(back), back_is_chunk, as_tensor(chunks), _M_rows(plan.position, device), num_tokens,
                         plan.first_rows[0], plan.last_rows[-1], plan.position[plan.last_rows[-1]] > 0)
 
 
-def _warmup_starts(gcum: torch.Tensor, idx: _PlanTensors, cp_warmup: float) -> torch.Tensor:
-    """[rows, Hv] int64: where the state leaving each segment can restart from zero (design doc §4), the
-    last chunk c (counted within its segment) whose gates summed over chunks c .. end stay below
-    `cp_warmup`; -1 where even the whole segment's sum does not (the exact path). The chunk sums are
-    `gcum` [Hv, T] at every chunk's last token, gathered from each segment's end back and summed along it
-    (a handful of small launches, no scatter, no scan across the stream)."""
+def _M_rows(position, device) -> dict:
+    """_PlanTensors.M_rows, built on the host once per plan. The forward chain reads M_j where it
+    multiplies a maybe nonzero S_{j,0} (j not a sequence's first segment, unless there is an initial state)
+    into segment j + 1 on the exact path; the backward's mirror scan (dht_given not None) where it
+    multiplies M_j^T by X_j, the gradient into segment j + 1 on the exact path or, out of a sequence's last
+    segment, a given final-state gradient."""
+    has_prev = [p > 0 for p in position]
+    has_next = [p > 0 for p in position[1:]] + [False]
+    column = lambda xs: torch.tensor(xs, dtype=torch.bool, device=device)[:, None]  # noqa: E731
+    rows = {}
+    for has_h0 in (False, True):
+        forward = [n and (p or has_h0) for p, n in zip(has_prev, has_next)]
+        rows[has_h0, None] = (column(forward), column([False] * len(position)))
+        for dht_given in (False, True):
+            rows[has_h0, dht_given] = (column([f or (p and n) for f, p, n in zip(forward, has_prev, has_next)]),
+                                       column([p and not n and dht_given for p, n in zip(has_prev, has_next)]))
+    return rows
+
+
+def _warmup(gcum: torch.Tensor, idx: _PlanTensors, cp_warmup: float):
+    """(warm [rows, Hv] bool, walk_from [rows, Hv] int64): whether the state leaving each segment can
+    restart from zero inside it (design doc §4: the gates of its last chunks sum below `cp_warmup`), and
+    1 + the chunk its walk then starts at, the last chunk c (counted within the segment) whose gates summed
+    over chunks c .. end are below `cp_warmup`, as the torch backend restarts (1 where not warm: the whole
+    segment). The chunk sums are `gcum` [Hv, T] at every chunk's last token, gathered from each segment's
+    end back and summed along it: seven small launches, no scatter, no scan across the stream."""
     back_sums = gcum[:, idx.back_last_token].cumsum(-1)  # [Hv, rows, p]: chunks end - p .. end
-    below = (back_sums < cp_warmup) & idx.back_is_chunk
-    found = below.any(-1)
-    starts = idx.last_chunk - below.int().argmax(-1)  # the first p back from the end that is below
-    return torch.where(found, starts, -1).t()
+    # the first p back from the end that is below (max of a bool row: any, and the first index of it)
+    warm, first_below = torch.max((back_sums < cp_warmup) & idx.back_is_chunk, dim=-1)
+    walk_from = torch.where(warm, idx.chunks_per_row - first_below, 1)
+    return warm.t(), walk_from.t()
 
 
 def _into_next(idx: _PlanTensors, exact, into_final: bool):
@@ -101,40 +124,43 @@ def _into_next(idx: _PlanTensors, exact, into_final: bool):
     return exact_next
 
 
-def _summaries_needed(idx: _PlanTensors, exact, has_h0: bool, dht_given: bool | None, leaving: bool = False):
-    """active [2, rows, Hv] for hopper.summaries: S*_j where segment j + 1 starts from it; M_j where the
-    forward chain multiplies it by a state that can be nonzero (exact_{j+1}, and j not a sequence's first
-    segment unless there is an initial state), and, for the backward (dht_given not None), where the
-    mirror scan multiplies M_j^T by a gradient (`exit_gradients`: f_j = exact_{j+1}, or 1 into a
-    given final-state gradient). leaving: also S* of the last segment of the last sequence, the state it
-    passes on (`leaving_state`)."""
-    M_forward = _into_next(idx, exact, False) & (idx.has_prev[:, None] | has_h0)
-    active = [idx.has_next[:, None].expand_as(exact), M_forward]
-    if dht_given is not None:
-        active[1] = M_forward | (idx.has_prev[:, None] & _into_next(idx, exact, dht_given))
-    active = torch.stack(active)
+def _summaries_needed(idx: _PlanTensors, warm, walk_from, num_v_heads: int, has_h0: bool, dht_given: bool | None,
+                      leaving: bool = False):
+    """active [2, rows, Hv] int32 for hopper.summaries: S*_j where segment j + 1 starts from it (from
+    chunk walk_from - 1 on where it warms up); M_j where the forward chain multiplies it by a state that
+    can be nonzero (segment j + 1 on the exact path, j not a sequence's first segment unless there is an
+    initial state), and, for the backward (dht_given not None), where the mirror scan multiplies M_j^T by
+    a gradient (`exit_gradients`: f_j = exact_{j+1}, or 1 into a given final-state gradient). warm,
+    walk_from: `_warmup`, or None without a threshold (exact everywhere). leaving: also S* and M of the
+    last segment of the last sequence, for the state it passes on (`leaving_state`)."""
+    into_exact_next, always = idx.M_rows[has_h0, dht_given]
+    active = torch.empty(2, idx.has_next.numel(), num_v_heads, dtype=torch.int32, device=idx.has_next.device)
+    if warm is None:
+        active[0] = idx.has_next[:, None]
+        active[1] = into_exact_next | always
+    else:
+        active[0] = walk_from * idx.has_next[:, None]
+        torch.bitwise_or(torch.gt(into_exact_next, warm), always, out=active[1])  # a > b: a and not b
     if leaving:  # S*_last + M_last S_{last,0} of the last sequence (M_last where that start can be nonzero)
-        active[0, idx.last_row] = True
+        active[0, idx.last_row] = 1
         if idx.last_row_has_prev or has_h0:
-            active[1, idx.last_row] = True
+            active[1, idx.last_row] = 1
     return active
 
 
 def _segment_summaries(hopper, x, idx: _PlanTensors, cp_warmup, has_h0: bool, dht_given=None, leaving=False):
     """(S*_j, M_j, exact mask [rows, Hv]) of every segment from zero: step 1 above (no initial state
     needed, only whether one will come), fp32."""
-    exact = idx.has_prev[:, None].expand(-1, x.num_v_heads).clone()
-    starts = None
-    if cp_warmup is not None:
-        starts = _warmup_starts(x.gcum, idx, cp_warmup)
-        exact[1:] &= starts[:-1] < 0  # row j starts from the exact chain where row j - 1 never decays enough
-    active = _summaries_needed(idx, exact, has_h0, dht_given, leaving).int()
-    if starts is not None:
-        # S*_j feeding a segment j + 1 that warms up: the walk of segment j's chunks from its restart chunk
-        # on, from zero (hopper.summaries walks from chunk a - 1 where active = a)
-        warms_next = torch.zeros_like(exact)
-        warms_next[:-1] = idx.has_next[:-1, None] & ~exact[1:]
-        active[0] = torch.where(warms_next, starts.int() + 1, active[0])
+    rows, Hv = idx.has_prev.numel(), x.num_v_heads
+    warm = walk_from = None
+    if cp_warmup is None:
+        exact = idx.has_prev[:, None].expand(rows, Hv)
+    else:
+        warm, walk_from = _warmup(x.gcum, idx, cp_warmup)
+        # row j starts from the exact chain where row j - 1 does not warm up (a > b: a and not b)
+        exact = torch.zeros(rows, Hv, dtype=torch.bool, device=warm.device)
+        torch.gt(idx.has_prev[1:, None], warm[:-1], out=exact[1:])
+    active = _summaries_needed(idx, warm, walk_from, Hv, has_h0, dht_given, leaving)
     S_star, M = hopper.summaries(x, with_transition=True, active=active)
     return S_star, M, exact
 
@@ -142,9 +168,11 @@ def _segment_summaries(hopper, x, idx: _PlanTensors, cp_warmup, has_h0: bool, dh
 def _chain(hopper, S_star, M, exact, idx: _PlanTensors, initial_state):
     """S_{j,0} of every segment: step 2 above, S_{j,0} = S*_{j-1} + [exact_j] M_{j-1} S_{j-1,0}, the
     whole chain in one launch from the sequences' initial states (zero when None)."""
-    S0 = torch.zeros_like(S_star)
-    if initial_state is not None:
-        S0[idx.first] = initial_state.to(S0.dtype)
+    S0 = torch.empty_like(S_star)  # the chain writes every row but the sequences' first
+    if initial_state is None:
+        S0.index_fill_(0, idx.first_index, 0.0)
+    else:
+        S0.index_copy_(0, idx.first_index, initial_state.to(S0.dtype))
     return hopper.fold_segments(S0, S_star, M, exact.float(), idx.first, idx.last, reverse=False)
 
 
@@ -234,9 +262,11 @@ def exit_gradients(hopper, D, M, exact, idx: _PlanTensors, dht):
     D_{j+1} (its own outputs' gradient, from zero) + f_{j+1} M_{j+1}^T X_{j+1}, with f = 1 into a
     sequence's final state and exact_{j+2} into the next segment's start.
     """
-    X = torch.zeros_like(D)
-    if dht is not None:
-        X[idx.last] = dht.to(X.dtype)
+    X = torch.empty_like(D)  # the mirror scan writes every row but the sequences' last
+    if dht is None:
+        X.index_fill_(0, idx.last_index, 0.0)
+    else:
+        X.index_copy_(0, idx.last_index, dht.to(X.dtype))
     mask = D.new_zeros(D.shape[:2])
     mask[:-1] = _into_next(idx, exact, True)[1:]  # row j - 1 reads f_j
     return hopper.fold_segments(X, D, M, mask, idx.first, idx.last, reverse=True)
