@@ -66,9 +66,8 @@ def _plan_tensors(plan: SegmentPlan, num_tokens: int, device: torch.device) -> _
     chunks = [-(-length // CHUNK) for length in plan.lengths]
     chunk_last = [start + min((c + 1) * CHUNK, length) - 1
                   for start, length, count in zip(plan.starts, plan.lengths, chunks) for c in range(count)]
-    position = as_tensor(plan.position)
-    has_next = torch.zeros_like(position, dtype=torch.bool)
-    has_next[:-1] = position[1:] > 0
+    has_prev = [p > 0 for p in plan.position]
+    has_next = has_prev[1:] + [False]
     cu = as_tensor(plan.starts + (plan.starts[-1] + plan.lengths[-1],), torch.int32)
     # what launch.chunk_offsets_of(cu) computes on the device, once per plan
     offsets = list(itertools.accumulate(chunks, initial=0))
@@ -77,25 +76,24 @@ def _plan_tensors(plan: SegmentPlan, num_tokens: int, device: torch.device) -> _
     back = [[chunk_last[offset + count - 1 - p] if p < count else 0 for p in range(longest)]
             for offset, count in zip(offsets, chunks)]
     back_is_chunk = as_tensor([[p < count for p in range(longest)] for count in chunks], torch.bool)
-    return _PlanTensors(cu, chunk_offsets, position > 0, has_next, as_tensor(plan.first_rows, torch.int32),
-                        as_tensor(plan.first_rows), as_tensor(plan.last_rows, torch.int32), as_tensor(plan.last_rows),
-                        as_tensor(back), back_is_chunk, as_tensor(chunks), _M_rows(plan.position, device), num_tokens,
-                        plan.first_rows[0], plan.last_rows[-1], plan.position[plan.last_rows[-1]] > 0)
+    return _PlanTensors(cu, chunk_offsets, as_tensor(has_prev, torch.bool), as_tensor(has_next, torch.bool),
+                        as_tensor(plan.first_rows, torch.int32), as_tensor(plan.first_rows),
+                        as_tensor(plan.last_rows, torch.int32), as_tensor(plan.last_rows), as_tensor(back),
+                        back_is_chunk, as_tensor(chunks), _M_rows(has_prev, has_next, device), num_tokens,
+                        plan.first_rows[0], plan.last_rows[-1], has_prev[plan.last_rows[-1]])
 
 
-def _M_rows(position, device) -> dict:
+def _M_rows(has_prev: list, has_next: list, device) -> dict:
     """_PlanTensors.M_rows, built on the host once per plan. The forward chain reads M_j where it
     multiplies a maybe nonzero S_{j,0} (j not a sequence's first segment, unless there is an initial state)
     into segment j + 1 on the exact path; the backward's mirror scan (dht_given not None) where it
     multiplies M_j^T by X_j, the gradient into segment j + 1 on the exact path or, out of a sequence's last
     segment, a given final-state gradient."""
-    has_prev = [p > 0 for p in position]
-    has_next = [p > 0 for p in position[1:]] + [False]
     column = lambda xs: torch.tensor(xs, dtype=torch.bool, device=device)[:, None]  # noqa: E731
     rows = {}
     for has_h0 in (False, True):
         forward = [n and (p or has_h0) for p, n in zip(has_prev, has_next)]
-        rows[has_h0, None] = (column(forward), column([False] * len(position)))
+        rows[has_h0, None] = (column(forward), column([False] * len(has_prev)))
         for dht_given in (False, True):
             rows[has_h0, dht_given] = (column([f or (p and n) for f, p, n in zip(forward, has_prev, has_next)]),
                                        column([p and not n and dht_given for p, n in zip(has_prev, has_next)]))
