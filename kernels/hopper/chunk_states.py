@@ -22,9 +22,10 @@ its sequence, skipping the chunks before it (intra-card CP's warmup restart, des
 leaving a segment from its last few chunks only, where the gates decay enough over them; summaries only,
 store_chunks = 0).
 
-Rows past the end of a sequence: K rows are zeroed after they land (they cannot touch S), gate rows
-repeat the last valid one (gamma_last is the gate at the last token, no exp2 argument is positive), and
-the V' rows they produce are not stored.
+Rows past the end of a sequence: K rows are zeroed after they land, and so are the V' rows that enter
+the update (the W and U rows there belong to the next sequence and need not be written: chunk_wu.py), so
+neither can touch S; gate rows repeat the last valid one (gamma_last is the gate at the last token, no
+exp2 argument is positive), and the V' rows they produce are not stored.
 
 Loads are double buffered with cp.async (chunk c + 1 lands while chunk c computes); 128 threads for
 block_v <= 64 (one warpgroup), 256 for block_v = 128. The two products are asynchronous WGMMA: the
@@ -93,8 +94,10 @@ def build_chunk_states(dtype: str, block_v: int):
         else:
             for r, j in T.Parallel(C, BV):
                 Vn[r, j] = -Vn[r, j]
+        # rows past the sequence end are zero: the W and U bytes there are the next sequence's, which a
+        # segmented forward may not have written (chunk_wu.py), and 0 x NaN in K^T V' would be NaN
         for r, j in T.Parallel(C, BV):
-            Vs_sh[r, j] = Vn[r, j] * tail[r]
+            Vs_sh[r, j] = T.if_then_else(r < n_rows, Vn[r, j] * tail[r], 0.0)
         T.sync_threads()
 
         # S = gamma_last S + K^T diag(gamma_last / gamma) V'; V' leaves while the product runs
