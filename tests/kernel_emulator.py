@@ -9,6 +9,8 @@ torch backend. What they cannot test is the kernels themselves (tests/gpu does t
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 C = 64
@@ -60,7 +62,8 @@ def _output(Q, K, S, Vn, gamma, Gamma, scale):
     return scale * (gamma[:, :, None] * (Q @ S) + (Gamma * (Q @ K.transpose(-1, -2))) @ Vn)
 
 
-def emulate_wy_inverse(k, beta, g, cu, offsets, v, Ab, gcum, w, u, chunk_slots, search_steps, store_a, store_wu):
+def emulate_wy_inverse(k, beta, g, cu, offsets, v, Ab, gcum, w, u, chunk_slots, search_steps, store_a, *,
+                       with_wu):
     Hv = v.shape[1]
     hk = _qk_heads(k.shape[1], Hv)
     for _, _, t0, n in _chunks(cu):
@@ -77,9 +80,28 @@ def emulate_wy_inverse(k, beta, g, cu, offsets, v, Ab, gcum, w, u, chunk_slots, 
         U = (Gamma * A_beta) @ _rows(v, t0, n)
         gcum[:, t0:t0 + n] = gc[:, :n].to(gcum.dtype)
         _store(Ab, t0, n, A if store_a else Gamma * A_beta)  # the forward's Ab carries its gate mask
-        if store_wu:  # else w and u are stand-ins the kernel never writes
+        if with_wu:  # else w and u are stand-ins that build never touches
             _store(w, t0, n, W)
             _store(u, t0, n, U)
+
+
+def emulate_chunk_wu(k, v, Ab, gcum, cu, offsets, active, w, u, chunk_slots, search_steps):
+    """W = Ab diag(gamma) K and U = Ab V from the forward's gated Ab, in the chunks from the first one a
+    summary walk of `active` reads; the rows of the other chunks become NaN (memory the kernel leaves
+    unwritten, so a walk reading them shows)."""
+    Hv = v.shape[1]
+    N = cu.numel() - 1
+    walk_S, walk_M = active.view(2, N, Hv).long()
+    first = torch.where(walk_M != 0, 0, torch.where(walk_S != 0, walk_S - 1, chunk_slots))
+    hk = _qk_heads(k.shape[1], Hv)
+    for n, c, t0, rows in _chunks(cu):
+        gamma = _gates(gcum, t0, rows)[1]
+        Abc = _rows(Ab, t0, rows)  # [Hv, C, C]
+        live = (c >= first[n])[:, None, None]
+        W = Abc @ (gamma[:, :, None] * _rows(k, t0, rows, hk))
+        U = Abc @ _rows(v, t0, rows)
+        _store(w, t0, rows, torch.where(live, W, torch.nan))
+        _store(u, t0, rows, torch.where(live, U, torch.nan))
 
 
 def emulate_chunk_states(k, w, u, gcum, cu, offsets, h0, h_out, vnew, ht, mt, active, use_h0, store_ht, store_chunks,
@@ -106,9 +128,11 @@ def emulate_chunk_states(k, w, u, gcum, cu, offsets, h0, h_out, vnew, ht, mt, ac
             _, _, _, gamma_last, to_end = _gates(gcum, t0, rows)
             if store_chunks:
                 h_out[offsets[n] + c] = S.to(h_out.dtype)
-            Vn = -(_rows(w, t0, rows) @ S)
+            # a walk reads no W or U before its start chunk (chunk_wu leaves those rows unwritten)
+            reads = (runs[n] & (first[n] <= c))[:, None, None]
+            Vn = -(torch.where(reads, _rows(w, t0, rows), 0.0) @ S)
             if kind == 0:
-                Vn = Vn + _rows(u, t0, rows)
+                Vn = Vn + torch.where(reads, _rows(u, t0, rows), 0.0)
             if store_chunks:
                 _store(vnew, t0, rows, Vn)
             K = _rows(k, t0, rows, hk)
@@ -203,7 +227,8 @@ def install(monkeypatch):
     from flashqla.kernels.hopper import backward, launch
 
     kernels = {
-        "compiled_wy_inverse": lambda dtype: emulate_wy_inverse,
+        "compiled_wy_inverse": lambda dtype, with_wu: functools.partial(emulate_wy_inverse, with_wu=with_wu),
+        "compiled_chunk_wu": lambda dtype: emulate_chunk_wu,
         "compiled_chunk_states": lambda dtype, block_v: emulate_chunk_states,
         "compiled_chunk_output": lambda dtype: emulate_chunk_output,
         "compiled_fused_fwd": lambda dtype, block_v: emulate_fused_fwd,

@@ -147,7 +147,8 @@ class TorchKernels:
         return torch_backend.forward(x.q, x.k, v, x.g, x.beta, scale, h0, output_final_state, plan)
 
     @staticmethod
-    def prepare(q, k, v, g, beta, cu, chunk_offsets=None):
+    def prepare(q, k, v, g, beta, cu, chunk_offsets=None, walk_operands=True):
+        # no W and U here whatever walk_operands says: every walk below is a torch-backend forward
         bounds = cu.tolist()
         gcum = g[0].t().clone()  # [Hv, T]: the chunk-local cumulative gate, as wy_inverse stores it
         for bos, eos in zip(bounds[:-1], bounds[1:]):

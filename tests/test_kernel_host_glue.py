@@ -49,26 +49,22 @@ def test_forward_paths_match_the_torch_backend(hopper, fused):
 
 @pytest.mark.parametrize("fused", [False, True], ids=["split", "fused"])
 def test_fused_forward_asks_for_no_walk_operands(hopper, monkeypatch, fused):
-    """The fused forward reads Ab and gcum alone: wy_inverse runs with store_wu = 0 (v, which stands in for
-    the W and U arguments, comes back untouched); the split forward's walk gets W and U."""
+    """The fused forward reads Ab and gcum alone: wy_inverse's build without W and U runs (v, which stands in
+    for the W and U arguments, comes back untouched); the split forward's walk gets W and U."""
     from flashqla.kernels.hopper import launch
 
     flags = []
     real = launch.compiled_wy_inverse
 
-    def spy(dtype):
-        kernel = real(dtype)
-
-        def run(*args):
-            flags.append(args[-1])
-            return kernel(*args)
-        return run
+    def spy(dtype, with_wu):
+        flags.append(with_wu)
+        return real(dtype, with_wu)
 
     monkeypatch.setattr(launch, "compiled_wy_inverse", spy)
     args, cu = call([1, 65, 130], Hqk=2, Hv=4, seed=3)
     v_before = args["v"].clone()
     o, _ = hopper.chunk_gdn_fwd(*(args[n] for n in NAMES), 128 ** -0.5, args["initial_state"], True, cu, fused=fused)
-    assert flags == [0 if fused else 1]
+    assert flags == [not fused]
     assert torch.equal(args["v"], v_before)
     assert rel_err(o, torch_forward(args, cu)[0]) <= TOL
 
@@ -80,21 +76,30 @@ def test_dispatch_picks_fused_for_many_walks(hopper):
     assert launch.use_fused(1, 24) and launch.use_fused(8, 8)
 
 
-@pytest.mark.parametrize("fused,with_h0", [(False, True), (True, True), (False, False)])
-def test_segmented_kernel_path_matches_unsegmented(hopper, fused, with_h0):
+@pytest.mark.parametrize("fused,with_h0,cp_warmup", [(False, True, None), (True, True, None), (False, False, None),
+                                                     (True, True, -3.0), (True, False, -3.0)])
+def test_segmented_kernel_path_matches_unsegmented(hopper, fused, with_h0, cp_warmup):
     """Segments of a varlen pack: one summary launch (S*, M where read), the fold, the final walk split or
-    fused; without h0 no first segment's M is computed."""
+    fused; without h0 no first segment's M is computed. Fused: W and U only in the chunks the summary walks
+    read (the emulated chunk_wu leaves NaN elsewhere); with cp_warmup the strong-decay head's walks start
+    late, against the torch backend's own warmup."""
     from flashqla.cp import segments
     from flashqla.ops import torch_backend
 
     args, cu = call([700, 65, 1, 300], seed=1)
     if not with_h0:
         args["initial_state"] = None
+    args["g"][..., -1] = -0.2  # the strong-decay head: -12.8 over a chunk
     plan = torch_backend.make_plan(1, args["q"].shape[1], cu.tolist(), 3)
     assert plan.is_segmented
     o, ht = segments.segmented_forward(hopper, *(args[n] for n in NAMES), 128 ** -0.5, args["initial_state"], True,
-                                       plan, None, fused=fused)
-    o_ref, ht_ref = torch_forward(args, cu)
+                                       plan, cp_warmup, fused=fused)
+    if cp_warmup is None:
+        o_ref, ht_ref = torch_forward(args, cu)
+    else:
+        o_ref, ht_ref = torch_backend.forward(*(args[n] for n in NAMES), 128 ** -0.5, args["initial_state"], True,
+                                              plan, cp_warmup)
+    assert not o.isnan().any()
     assert rel_err(o, o_ref) <= TOL and rel_err(ht, ht_ref) <= TOL, (rel_err(o, o_ref), rel_err(ht, ht_ref))
 
 

@@ -5,7 +5,8 @@ A segment is a shorter sequence with its own initial state. After one `wy_invers
 1. one state-only summary launch (chunk_states with store_chunks = 0): S*_j, every segment from zero,
    and in the same launch the transition product M_j (the walk of U = 0 from I; S_end = M_j S_0 + S*_j),
    each only where the chain reads it (no S* for a sequence's last segment; M only for a (segment,
-   head) on the exact path, next to a nonzero state);
+   head) on the exact path, next to a nonzero state); when step 3 is fused, `wy_inverse` skipped W and U
+   and `chunk_wu` computes them from Ab for just the chunks these walks read;
 2. the chain S_{j,0} = S*_{j-1} + [exact] M_{j-1} S_{j-1,0} in fp32 (one `segment_chain` launch), where a
    head takes the M term only when the previous segment's summed log-decay stays above `cp_warmup`;
    elsewhere S*_{j-1} is the warmup state, the walk of only the last chunks of segment j-1 whose gates
@@ -189,20 +190,24 @@ class ForwardSummaries:
     M: torch.Tensor
     exact: torch.Tensor
     v_shape: torch.Size
+    fused: bool  # the last walk's kernel: fused_fwd, or the state walk and chunk_output
 
 
 def forward_summaries(hopper, q, k, v, g, beta, plan: SegmentPlan, cp_warmup, has_h0: bool,
-                      dht_given: bool | None = None, leaving: bool = False) -> ForwardSummaries:
+                      dht_given: bool | None = None, leaving: bool = False, fused=None) -> ForwardSummaries:
     """The first half of `segmented_forward`: everything that does not read the initial states (the
     WY inverse and the summary launch), so inter-card CP runs it while the states are on their way.
     has_h0: an initial state will be given; dht_given, leaving: as `_summaries_needed` (dht_given None:
-    no backward)."""
+    no backward); fused: the last walk's kernel (None: by the dispatch rule)."""
     idx = _plan_tensors(plan, q.shape[0] * q.shape[1], q.device)
     # segments start on chunk boundaries of their sequence, so they chunk exactly like the sequences
     packed = _packed(idx, q, k, v, g, beta)
-    x = hopper.prepare(*packed, idx.cu, chunk_offsets=idx.chunk_offsets)
+    if fused is None:
+        fused = hopper.use_fused(idx.has_next.numel(), v.shape[2])
+    # a fused last walk reads no W and U: the summary launch then computes them where its walks read them
+    x = hopper.prepare(*packed, idx.cu, chunk_offsets=idx.chunk_offsets, walk_operands=not fused)
     summaries = _segment_summaries(hopper, x, idx, cp_warmup, has_h0, dht_given, leaving)
-    return ForwardSummaries(idx, packed, x, *summaries, v.shape)
+    return ForwardSummaries(idx, packed, x, *summaries, v.shape, fused)
 
 
 def forward_chain(hopper, summ: ForwardSummaries, initial_state):
@@ -218,10 +223,10 @@ def leaving_state(summ: ForwardSummaries, S0):
     return summ.S_star[last] + summ.M[last] @ S0[last]
 
 
-def forward_walk(hopper, summ: ForwardSummaries, S0, scale, output_final_state, fused=None, with_starts=False):
+def forward_walk(hopper, summ: ForwardSummaries, S0, scale, output_final_state, with_starts=False):
     """Step 3 above from the segments' starts S0: (o, final state[, kept starts])."""
     idx, x, v = summ.idx, summ.x, summ.packed[2]
-    if hopper.use_fused(x.num_seqs, x.num_v_heads) if fused is None else fused:
+    if summ.fused:
         o, S_final = hopper.fused_forward(x, v, S0, scale, output_final_state)
     else:
         h, vnew, S_final = hopper.walk(x, S0, store_final=output_final_state)
@@ -231,11 +236,11 @@ def forward_walk(hopper, summ: ForwardSummaries, S0, scale, output_final_state, 
     return (o, final_state, (S0, summ.M, summ.exact)) if with_starts else (o, final_state)
 
 
-def forward_from_summaries(hopper, summ: ForwardSummaries, scale, initial_state, output_final_state, fused=None,
+def forward_from_summaries(hopper, summ: ForwardSummaries, scale, initial_state, output_final_state,
                            with_starts=False):
     """The second half of `segmented_forward`: the chain from the initial states, then the walk."""
     S0 = forward_chain(hopper, summ, initial_state)
-    return forward_walk(hopper, summ, S0, scale, output_final_state, fused, with_starts)
+    return forward_walk(hopper, summ, S0, scale, output_final_state, with_starts)
 
 
 def segmented_forward(hopper, q, k, v, g, beta, scale, initial_state, output_final_state, plan: SegmentPlan,
@@ -248,8 +253,8 @@ def segmented_forward(hopper, q, k, v, g, beta, scale, initial_state, output_fin
     # kept for the backward: with the M its mirror scan reads (a final-state gradient exists only when
     # the final state is returned)
     summ = forward_summaries(hopper, q, k, v, g, beta, plan, cp_warmup, initial_state is not None,
-                             dht_given=output_final_state if with_starts else None)
-    return forward_from_summaries(hopper, summ, scale, initial_state, output_final_state, fused, with_starts)
+                             dht_given=output_final_state if with_starts else None, fused=fused)
+    return forward_from_summaries(hopper, summ, scale, initial_state, output_final_state, with_starts)
 
 
 def exit_gradients(hopper, D, M, exact, idx: _PlanTensors, dht):

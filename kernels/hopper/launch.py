@@ -39,9 +39,16 @@ def compile_from(module: str, builder: str, label: str, *args):
 
 
 @functools.lru_cache(maxsize=None)
-def compiled_wy_inverse(dtype: str):
-    """The compiled wy_inverse kernel for `dtype`: prebuilt, from TileLang's disk cache, or JIT (kernels/cache.py)."""
-    return compile_from("wy_inverse", "build_wy_inverse", f"wy_inverse({dtype})", dtype)
+def compiled_wy_inverse(dtype: str, with_wu: bool):
+    """The compiled wy_inverse kernel for `dtype`, storing W and U or not (the forward's build, which needs
+    less shared memory and fewer registers): prebuilt, from TileLang's disk cache, or JIT (kernels/cache.py)."""
+    return compile_from("wy_inverse", "build_wy_inverse", f"wy_inverse({dtype}, with_wu={with_wu})", dtype, with_wu)
+
+
+@functools.lru_cache(maxsize=None)
+def compiled_chunk_wu(dtype: str):
+    """The compiled W and U of the chunks the summary walks read (chunk_wu.py) for `dtype`."""
+    return compile_from("chunk_wu", "build_chunk_wu", f"chunk_wu({dtype})", dtype)
 
 
 @functools.lru_cache(maxsize=None)
@@ -95,7 +102,9 @@ def kernel_configs(dtypes=KERNEL_DTYPES):
     configuration; `flashqla precompile` relies on this list alone.
     """
     for dtype in dtypes:
-        yield compiled_wy_inverse, (dtype,)
+        yield compiled_wy_inverse, (dtype, True)
+        yield compiled_wy_inverse, (dtype, False)
+        yield compiled_chunk_wu, (dtype,)
         yield compiled_chunk_output, (dtype,)
         yield compiled_chunk_bwd_local, (dtype,)
         yield compiled_gqa_sum, (dtype,)
@@ -111,6 +120,11 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+def _sm_count_on(device: torch.device) -> int:
+    """SMs of `device` (the current CUDA device when it has no index)."""
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
 def block_v_for(num_seqs: int, num_v_heads: int, sm_count: int) -> int:
     """Widest V tile that still gives at least MIN_CTAS_PER_SM CTAs per SM (else the narrowest)."""
     for block_v in BLOCK_V_CHOICES:
@@ -123,8 +137,7 @@ def walks_fill(device: torch.device, num_seqs: int, num_v_heads: int) -> bool:
     """Whether one walk over `num_seqs` x `num_v_heads` gives MIN_CTAS_PER_SM CTAs per SM even at the
     narrowest V tile; when it does not, two independent walks run side by side on two streams (the
     backward's, backward.py)."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return num_seqs * num_v_heads * (HEAD_DIM // BLOCK_V_CHOICES[-1]) >= MIN_CTAS_PER_SM * _sm_count(index)
+    return num_seqs * num_v_heads * (HEAD_DIM // BLOCK_V_CHOICES[-1]) >= MIN_CTAS_PER_SM * _sm_count_on(device)
 
 
 def chunk_offsets_of(cu_seqlens: torch.Tensor) -> torch.Tensor:
@@ -141,6 +154,7 @@ class ChunkedCall:
 
     q: torch.Tensor  # [T, Hqk, 128]
     k: torch.Tensor
+    v: torch.Tensor  # [T, Hv, 128]
     w: torch.Tensor | None  # [T, Hv, 128]  W = diag(gamma) A diag(beta) K (None without walk operands)
     u: torch.Tensor | None  # [T, Hv, 128]  U = (Gamma o A) diag(beta) V (likewise)
     Ab: torch.Tensor  # [T, Hv, 64]  A diag(beta) (the fused kernel's operand); A itself when store_a
@@ -173,7 +187,8 @@ def prepare(q, k, v, g, beta, cu_seqlens, store_a: bool = False, chunk_offsets=N
     `chunk_offsets_of(cu_seqlens)` when the caller keeps it (a fixed layout), else computed here.
     walk_operands: also compute W and U, which only the state walks read; the fused forward reads Ab and
     gcum alone, and without them the kernel skips the V load, two products and 2 x T x Hv x 256 bytes
-    of stores (H200: docs/kernels.md, "Eleventh session")."""
+    of stores (H200: docs/kernels.md, "Eleventh session") and is built with less shared memory and fewer
+    registers. `summaries` of a call without them computes W and U for the chunks its walks read."""
     B, T, Hqk, _ = q.shape
     Hv = v.shape[2]
     device = q.device
@@ -194,17 +209,16 @@ def prepare(q, k, v, g, beta, cu_seqlens, store_a: bool = False, chunk_offsets=N
         w, u = (torch.empty(B * T, Hv, HEAD_DIM, dtype=q.dtype, device=device) for _ in range(2))
     else:
         w = u = None
-    # without walk operands v stands in for the W and U arguments (same shape; the kernel writes neither)
-    compiled_wy_inverse(dtype)(k3, beta.view(B * T, Hv).float(), g.view(B * T, Hv), cu, offsets, v3, Ab, gcum,
-                               v3 if w is None else w, v3 if u is None else u, chunk_slots, N.bit_length(),
-                               int(store_a), int(walk_operands))
-    return ChunkedCall(q3, k3, w, u, Ab, gcum, cu, offsets, chunk_slots, dtype)
+    # without walk operands v stands in for the W and U arguments (same shape; that build touches none)
+    compiled_wy_inverse(dtype, walk_operands)(k3, beta.view(B * T, Hv).float(), g.view(B * T, Hv), cu, offsets, v3,
+                                              Ab, gcum, v3 if w is None else w, v3 if u is None else u, chunk_slots,
+                                              N.bit_length(), int(store_a))
+    return ChunkedCall(q3, k3, v3, w, u, Ab, gcum, cu, offsets, chunk_slots, dtype)
 
 
 def block_v_on(device: torch.device, num_seqs: int, num_v_heads: int) -> int:
     """block_v_for with the SM count of `device` (the current CUDA device when it has no index)."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return block_v_for(num_seqs, num_v_heads, _sm_count(index))
+    return block_v_for(num_seqs, num_v_heads, _sm_count_on(device))
 
 
 def _state_buffers(x: ChunkedCall, h0, store_final: bool):
@@ -218,21 +232,23 @@ def _state_buffers(x: ChunkedCall, h0, store_final: bool):
 
 
 def _launch_walk(x: ChunkedCall, h0, store_chunks: bool, store_final: bool, with_transition: bool = False,
-                 active=None):
+                 active=None, w=None, u=None):
     """chunk_states over every sequence of `x` from h0 (fp32 [N, Hv, 128, 128] or None = zeros): (h | None,
-    V' | None, final states | None, transition products | None); the flags are the kernel's."""
+    V' | None, final states | None, transition products | None); the flags are the kernel's. w, u: the
+    walk operands when `x` has none (`summaries`)."""
     N, Hv, device = x.num_seqs, x.num_v_heads, x.q.device
+    w, u = (x.w, x.u) if w is None else (w, u)
     h0_arg, ht, ht_arg = _state_buffers(x, h0, store_final)
     mt = torch.empty(N, Hv, HEAD_DIM, HEAD_DIM, dtype=torch.float32, device=device) if with_transition else None
     slots = x.chunk_slots if store_chunks else 1
-    h = torch.empty(slots, Hv, HEAD_DIM, HEAD_DIM, dtype=x.w.dtype, device=device)
-    vnew = torch.empty_like(x.w)  # allocator-cached; untouched when store_chunks is False
+    h = torch.empty(slots, Hv, HEAD_DIM, HEAD_DIM, dtype=w.dtype, device=device)
+    vnew = torch.empty_like(w)  # allocator-cached; untouched when store_chunks is False
     if active is None:
         active_arg = torch.ones(1, dtype=torch.int32, device=device)  # a placeholder: use_active = 0
     else:
         active_arg = active.to(torch.int32).reshape(-1)
     compiled_chunk_states(x.dtype, block_v_on(device, N * (1 + with_transition), Hv))(
-        x.k, x.w, x.u, x.gcum, x.cu, x.offsets, h0_arg, h, vnew, ht_arg,
+        x.k, w, u, x.gcum, x.cu, x.offsets, h0_arg, h, vnew, ht_arg,
         ht_arg if mt is None else mt.view(N * Hv, HEAD_DIM, HEAD_DIM), active_arg,
         int(h0 is not None), int(store_final), int(store_chunks), int(with_transition), int(active is not None))
     return (h if store_chunks else None, vnew if store_chunks else None, ht, mt)
@@ -251,10 +267,28 @@ def summaries(x: ChunkedCall, with_transition: bool, active=None):
     the zero state and, with_transition, the transition product M (the walk of U = 0 from S0 = I; S_end =
     M S_start + S*, design doc §3) in the same launch. active: int or bool [2, N, Hv] or None (all): which
     S* (0) and M (1) to compute (0: none, zeros come back) and from which chunk: a walk with active = a
-    starts at chunk a - 1 of its sequence (1 or True: the whole sequence; more: a warmup restart)."""
+    starts at chunk a - 1 of its sequence (1 or True: the whole sequence; more: a warmup restart).
+
+    When `x` was prepared without walk operands (a segmented forward whose last walk is fused), W and U
+    are computed here from Ab for the chunks these walks read, `chunk_wu.py` (`active` required)."""
+    w = u = None
+    if x.w is None:
+        if active is None:
+            raise ValueError("summaries of a call prepared without walk operands needs `active`")
+        w, u = walk_operands_for(x, active)
     _, _, S_star, M = _launch_walk(x, None, store_chunks=False, store_final=True, with_transition=with_transition,
-                                   active=active)
+                                   active=active, w=w, u=u)
     return S_star, M
+
+
+def walk_operands_for(x: ChunkedCall, active):
+    """(W, U) [T, Hv, 128] of `x` in the rows the summary walks `active` ([2, N, Hv], `summaries`) read;
+    the other rows are never written."""
+    Ab3 = x.Ab
+    w, u = (torch.empty(Ab3.shape[0], x.num_v_heads, HEAD_DIM, dtype=Ab3.dtype, device=Ab3.device) for _ in range(2))
+    compiled_chunk_wu(x.dtype)(x.k, x.v, Ab3, x.gcum, x.cu, x.offsets, active.to(torch.int32).reshape(-1), w, u,
+                               x.chunk_slots, x.num_seqs.bit_length())
+    return w, u
 
 
 def fold_segments(out, bias, mats, mask, first_rows, last_rows, reverse: bool):

@@ -15,9 +15,12 @@ lower-triangular decay mask Gamma (exp2 of base-2 gate differences, each <= 0) i
 rounding to the input dtype, so the fused walk uses Ab as it is. The backward needs A itself (its dbeta
 and dA terms, chunk_bwd_local.py): with the runtime flag `store_a` the `Ab` output holds
 A = (I + StrictLower(diag(beta) K K^T))^{-1} instead (W and U are unchanged).
-With `store_wu` = 0 the kernel stops after Ab and gcum: the fused forward reads nothing else, so the V
-load, the two products and the W/U stores (2 x 256 bytes per token and v-head) are skipped, and `w`, `u`
-are never written. The inverse needs no exp; the gates enter only Ab, W and U.
+Built with `with_wu=False` (the forward's build) the kernel stops after Ab and gcum: the fused forward
+reads nothing else, so the V load, the two products and the W/U stores (2 x 256 bytes per token and
+v-head) are skipped, `v`, `w`, `u` are never touched, and without that branch K, L and Ab share one
+buffer: 32.5 KiB of shared memory and 96 registers, 5 CTAs per SM, where the build with W and U needs
+48.5 KiB and 112 (4). The segmented forward gets W and U of the chunks its summary walks read from
+chunk_wu.py. The inverse needs no exp; the gates enter only Ab, W and U.
 
 Chunks never straddle sequences. CTA c of the grid finds its sequence by binary search in
 `chunk_offsets` (exclusive prefix sum of chunks per sequence; `search_steps` = bit length of N); CTAs past the last chunk and rows past the
@@ -34,7 +37,7 @@ Schedule (one warpgroup, 128 threads, per (chunk, v-head)):
   4. merge 32 -> 64: X21 = -P1^{-1} L21 P0^{-1} (fp32, each thread 8 rows of a column); both merges stage
      L21 X11 in the upper-right block of X (zero in X, zeroed again after use);
   5. scale columns by beta and mask by Gamma, store Ab (from its shared tile, 16 bytes per thread and
-     store, unless store_a); with store_wu: load the V tile into the bytes X leaves; W =
+     store, unless store_a); with W and U: load the V tile into the bytes X leaves; W =
      diag(gamma) ((A diag(beta)) K), then U = Ab V on tensor cores through one fp32 accumulator, each staged as the input dtype
      through its input tile so the rows that exist are stored 16 bytes at a time.
 Steps 2-4 on CUDA cores in fp32 replaced a barrier per substituted row and TF32 tensor-core merges
@@ -53,8 +56,9 @@ HEAD_DIM = 128
 LOG2E = 1.4426950408889634
 
 
-def build_wy_inverse(dtype: str):
-    """Build the prim_func for q/k/v dtype `dtype` ("bfloat16" or "float16"); all sizes are dynamic."""
+def build_wy_inverse(dtype: str, with_wu: bool = True):
+    """Build the prim_func for q/k/v dtype `dtype` ("bfloat16" or "float16"); all sizes are dynamic.
+    with_wu=False builds the forward's kernel: Ab and gcum only (`v`, `w`, `u` are not read or written)."""
     num_tokens = T.dynamic("num_tokens")
     num_qk_heads = T.dynamic("num_qk_heads")
     num_v_heads = T.dynamic("num_v_heads")
@@ -76,7 +80,6 @@ def build_wy_inverse(dtype: str):
         num_chunk_slots: T.int32,
         search_steps: T.int32,
         store_a: T.int32,
-        store_wu: T.int32,
     ):
         with T.Kernel(num_chunk_slots, num_v_heads, threads=128) as (chunk, h):
             hk = h // (num_v_heads // num_qk_heads)
@@ -87,10 +90,7 @@ def build_wy_inverse(dtype: str):
             KKt = T.alloc_fragment((C, C), "float32")
             L_sh = T.alloc_shared((C, C), "float32")
             X_sh = T.alloc_shared((C, C), "float32")
-            V_sh = T.alloc_shared((C, D), dtype)
-            Ab_sh = T.alloc_shared((C, C), dtype)
             GAb_sh = T.alloc_shared((C, C), dtype)
-            WU = T.alloc_fragment((C, D), "float32")  # W, then U (one accumulator: 64 registers per thread)
             col = T.alloc_local((16,), "float32")  # step 3: this thread's column of a diagonal block
             acc = T.alloc_local((4,), "float32")
             acc8 = T.alloc_local((8,), "float32")
@@ -206,11 +206,14 @@ def build_wy_inverse(dtype: str):
                     if r < n_rows:
                         Ab[start + r, h, s] = GAb_sh[r, s]
 
-            if store_wu != 0:
+            if with_wu:  # a build-time branch: the forward-only build plans its shared memory without it
                 # --- W = diag(gamma) (X diag(beta)) K,  U = Ab V  (Gamma_rs gamma_s = gamma_r) ---------------
                 # V is loaded only now, into the space X no longer needs (fewer bytes live at once, more
                 # CTAs per SM), in flight during the W product; both staged through their input tiles for
                 # 16-byte row stores
+                V_sh = T.alloc_shared((C, D), dtype)
+                Ab_sh = T.alloc_shared((C, C), dtype)
+                WU = T.alloc_fragment((C, D), "float32")  # W, then U (one accumulator: 64 registers per thread)
                 for r, s in T.Parallel(C, C):
                     Ab_sh[r, s] = T.cast(X_sh[r, s] * beta_sh[s], dtype)
                 T.sync_threads()  # V takes the bytes of X, which the loop above read

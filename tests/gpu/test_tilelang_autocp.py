@@ -94,6 +94,44 @@ def test_segment_chain_kernel_matches_the_float64_fold(reverse):
     assert rel_err(got, want) <= 1e-5, rel_err(got, want)
 
 
+def test_chunk_wu_writes_the_chunks_the_summary_walks_read_as_wy_inverse_does():
+    """chunk_wu's W = Ab diag(gamma) K and U = Ab V from the forward build's gated Ab equal the W and U the
+    build with them stores, in every chunk from the first one a walk reads (M walks: all; S* walks from
+    a - 1; none where neither runs), and leave the other rows unwritten (NaN-poisoned); the two builds'
+    Ab and gcum are bitwise equal. A pack with 1- and 65-token sequences, GQA 2 -> 8, g = 0 and strong
+    decay heads."""
+    from flashqla.kernels.hopper import launch, prepare
+
+    call = make_call([1000, 65, 1, 2030], 2, 8, seed=6)
+    args = [call[n] for n in ("q", "k", "v", "g", "beta")] + [call["cu_seqlens"]]
+    with_wu = prepare(*args)
+    x = prepare(*args, walk_operands=False)
+    assert torch.equal(x.Ab, with_wu.Ab) and torch.equal(x.gcum, with_wu.gcum)
+    gen = torch.Generator(device="cuda").manual_seed(12)
+    chunks = (call["cu_seqlens"].diff() + 63) // 64  # [N]
+    N, Hv = chunks.numel(), 8
+    walk_S = torch.randint(0, 1 << 20, (N, Hv), generator=gen, device="cuda") % (chunks[:, None] + 1)
+    walk_M = torch.rand(N, Hv, generator=gen, device="cuda") < 0.25
+    active = torch.stack([walk_S, walk_M.long()]).int()
+    real_empty = torch.empty
+    try:
+        torch.empty = lambda *a, **kw: real_empty(*a, **kw).fill_(float("nan"))
+        w, u = launch.walk_operands_for(x, active)
+    finally:
+        torch.empty = real_empty
+    first = torch.where(walk_M, 0, torch.where(walk_S > 0, walk_S - 1, 1 << 30)).tolist()
+    bounds = call["cu_seqlens"].tolist()
+    read = torch.zeros(w.shape[:2], dtype=torch.bool, device="cuda")  # [T, Hv]: the rows a walk reads
+    for n in range(N):
+        for h in range(Hv):
+            read[bounds[n] + 64 * first[n][h]:bounds[n + 1], h] = True
+    assert read.any() and (~read).any()
+    for got, want in ((w, with_wu.w), (u, with_wu.u)):
+        assert got[~read].isnan().all()
+        assert not got[read].isnan().any()
+        assert rel_err(got[read], want[read].double()) <= TOL, rel_err(got[read], want[read].double())
+
+
 def test_segmented_step_and_cp_hand_offs_issue_no_host_sync():
     """After a warm-up, a segmented fwd+bwd of the public op and inter-card CP's hand-offs (the state a call
     passes on, the gradient it sends back) run without one host synchronisation: in a CP step every sync

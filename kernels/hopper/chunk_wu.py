@@ -1,0 +1,102 @@
+"""W and U of the chunks a summary walk reads, from the forward's gated inverse Ab (design doc §2-3).
+
+In the segmented forward the last walk is the fused one, which reads Ab and gcum alone; W and U are read
+only by the summary walk (chunk_states.py), and that walk visits every chunk of a (segment, v-head) only
+on the exact path: a warmed-up head walks the last few chunks of its segment, and some walks do not run
+(`segments._summaries_needed`). `wy_inverse` then runs without W and U for every chunk, and this kernel
+writes them for the chunks a walk reads, without a second inverse:
+
+    W = diag(gamma) A diag(beta) K = Ab diag(gamma) K        (Ab = Gamma o (A diag(beta)), Gamma_rs gamma_s = gamma_r)
+    U = Ab V
+
+both 64 x 64 x 128 products on tensor cores with fp32 accumulation. gamma_s = exp(gcum_s) and Gamma_rs are
+each >= gamma_r (gates <= 0), so neither factor underflows where the row W_r it builds is representable.
+
+One CTA per (chunk slot, v-head), 128 threads. active [2, N, Hv] is the summary walk's own (launch.summaries):
+a0 = active[0] >= 1 starts the S* walk at chunk a0 - 1, a1 = active[1] != 0 walks M from chunk 0, zero skips
+a walk. A CTA whose chunk lies before the first chunk either walk reads writes nothing; rows past the end
+of a sequence are never written.
+"""
+import tilelang.language as T
+
+from .chunk_map import sequence_of_chunk
+
+CHUNK = 64
+HEAD_DIM = 128
+LOG2E = 1.4426950408889634
+
+
+def build_chunk_wu(dtype: str):
+    """Build the prim_func for q/k/v dtype `dtype` ("bfloat16" or "float16"); all sizes are dynamic."""
+    num_tokens = T.dynamic("num_tokens")
+    num_qk_heads = T.dynamic("num_qk_heads")
+    num_v_heads = T.dynamic("num_v_heads")
+    num_seqs = T.dynamic("num_seqs")
+    num_walks = T.dynamic("num_walks")
+    C, D = CHUNK, HEAD_DIM
+
+    @T.prim_func
+    def chunk_wu(
+        k: T.Tensor((num_tokens, num_qk_heads, D), dtype),
+        v: T.Tensor((num_tokens, num_v_heads, D), dtype),
+        Ab: T.Tensor((num_tokens, num_v_heads, C), dtype),
+        gcum: T.Tensor((num_v_heads, num_tokens), "float32"),
+        cu_seqlens: T.Tensor((num_seqs + 1,), "int32"),
+        chunk_offsets: T.Tensor((num_seqs + 1,), "int32"),
+        active: T.Tensor((num_walks,), "int32"),  # [2, N, Hv] flattened
+        w: T.Tensor((num_tokens, num_v_heads, D), dtype),
+        u: T.Tensor((num_tokens, num_v_heads, D), dtype),
+        num_chunk_slots: T.int32,
+        search_steps: T.int32,
+    ):
+        with T.Kernel(num_chunk_slots, num_v_heads, threads=128) as (chunk, h):
+            hk = h // (num_v_heads // num_qk_heads)
+            Ab_sh = T.alloc_shared((C, C), dtype)
+            K_sh = T.alloc_shared((C, D), dtype)
+            V_sh = T.alloc_shared((C, D), dtype)
+            gamma_sh = T.alloc_shared((C,), "float32")
+            WU = T.alloc_fragment((C, D), "float32")  # W, then U
+
+            lo = sequence_of_chunk(chunk_offsets, num_seqs, chunk, search_steps)
+            start = cu_seqlens[lo] + (chunk - chunk_offsets[lo]) * C
+            n_rows = T.if_then_else(chunk < chunk_offsets[num_seqs], T.min(C, cu_seqlens[lo + 1] - start), 0)
+            last = T.max(n_rows - 1, 0)
+            # the first chunk (within its sequence) that a summary walk of (lo, h) reads: 0 for the M walk,
+            # a0 - 1 for the S* walk, past every chunk where neither runs
+            walk_S = active[lo * num_v_heads + h]
+            walk_M = active[(num_seqs + lo) * num_v_heads + h]
+            first = T.if_then_else(walk_M != 0, 0, T.if_then_else(walk_S != 0, walk_S - 1, num_chunk_slots))
+
+            if n_rows > 0 and chunk - chunk_offsets[lo] >= first:
+                T.async_copy(Ab[start:start + C, h, 0:C], Ab_sh)
+                T.async_copy(k[start:start + C, hk, 0:D], K_sh)
+                T.async_copy(v[start:start + C, h, 0:D], V_sh)
+                for r in T.Parallel(C):
+                    gamma_sh[r] = T.exp2(gcum[h, start + T.min(r, last)] * LOG2E)
+                T.ptx_wait_group(0)
+                T.sync_threads()
+                # rows past the sequence end: zero keys and values (the rows of Ab that exist are zero in
+                # those columns, but 0 x NaN is NaN); K scaled by gamma in place
+                for r, d in T.Parallel(C, D):
+                    K_sh[r, d] = T.if_then_else(r < n_rows, T.cast(K_sh[r, d] * gamma_sh[r], dtype),
+                                                T.cast(0, dtype))
+                if n_rows < C:
+                    for r, d in T.Parallel(C, D):
+                        if r >= n_rows:
+                            V_sh[r, d] = T.cast(0, dtype)
+                T.sync_threads()
+                T.gemm(Ab_sh, K_sh, WU, clear_accum=True)
+                T.sync_threads()  # every warp's K reads done before K holds W
+                for r, d in T.Parallel(C, D):
+                    K_sh[r, d] = T.cast(WU[r, d], dtype)
+                T.gemm(Ab_sh, V_sh, WU, clear_accum=True)
+                T.sync_threads()
+                for r, d in T.Parallel(C, D):
+                    V_sh[r, d] = T.cast(WU[r, d], dtype)
+                T.sync_threads()
+                for r, d in T.Parallel(C, D):  # staged for 16-byte row stores
+                    if r < n_rows:
+                        w[start + r, h, d] = K_sh[r, d]
+                        u[start + r, h, d] = V_sh[r, d]
+
+    return chunk_wu
