@@ -69,6 +69,14 @@ def test_fused_forward_asks_for_no_walk_operands(hopper, monkeypatch, fused):
     assert rel_err(o, torch_forward(args, cu)[0]) <= TOL
 
 
+def test_summary_walks_take_the_narrowest_v_tile_within_eight_ctas_per_sm():
+    """The H200 measurements behind SUMMARY_MAX_CTAS_PER_SM (132 SMs): TP8 32K and h32 (256 walks) got
+    faster with tiles of 32, TP4 32K and 2B (512) with 64, 27B (768) kept 128."""
+    from flashqla.kernels.hopper.launch import summary_block_v
+
+    assert [summary_block_v(walks, 132) for walks in (128, 256, 512, 768, 4096)] == [32, 32, 64, 128, 128]
+
+
 def test_dispatch_picks_fused_for_many_walks(hopper):
     from flashqla.kernels.hopper import launch
 

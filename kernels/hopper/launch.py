@@ -18,6 +18,12 @@ BLOCK_V_CHOICES = (128, 64, 32)
 # benchmarks/bench_walks.py on the H200 (2026-11-30, docs/benchmarks.md): this threshold picks the
 # fastest width for the two walks together at 1 x 8, 1 x 32, 8 x 8, 4 x 32, 4 x 64 and 64 x 8 walks.
 MIN_CTAS_PER_SM = 0.7
+# The summary walks (intra-card CP, `summaries`) are mostly skipped or short (a warmed-up head walks its
+# segment's last chunks), so the few long ones, the exact heads', set the launch's time, and a narrower V
+# tile shortens each of their steps; past about 8 CTAs per SM the short ones' scheduling and the re-read K
+# and W tiles cost more. H200, public op forward, 2026-12-01 (docs/kernels.md, "Fourteenth session"):
+# summary tiles of 32 at TP8 32K 0.465 -> 0.431 ms, h32 1.361 -> 1.229; at 512 walks 64 beats 32.
+SUMMARY_MAX_CTAS_PER_SM = 8
 
 _TORCH_TO_TL = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 KERNEL_DTYPES = tuple(_TORCH_TO_TL.values())
@@ -131,6 +137,15 @@ def block_v_for(num_seqs: int, num_v_heads: int, sm_count: int) -> int:
         if num_seqs * num_v_heads * (HEAD_DIM // block_v) >= MIN_CTAS_PER_SM * sm_count:
             return block_v
     return BLOCK_V_CHOICES[-1]
+
+
+def summary_block_v(num_walks: int, sm_count: int) -> int:
+    """Narrowest V tile that keeps `num_walks` summary walks within SUMMARY_MAX_CTAS_PER_SM CTAs per SM (else
+    the widest)."""
+    for block_v in reversed(BLOCK_V_CHOICES):
+        if num_walks * (HEAD_DIM // block_v) <= SUMMARY_MAX_CTAS_PER_SM * sm_count:
+            return block_v
+    return BLOCK_V_CHOICES[0]
 
 
 def walks_fill(device: torch.device, num_seqs: int, num_v_heads: int) -> bool:
@@ -247,7 +262,12 @@ def _launch_walk(x: ChunkedCall, h0, store_chunks: bool, store_final: bool, with
         active_arg = torch.ones(1, dtype=torch.int32, device=device)  # a placeholder: use_active = 0
     else:
         active_arg = active.to(torch.int32).reshape(-1)
-    compiled_chunk_states(x.dtype, block_v_on(device, N * (1 + with_transition), Hv))(
+    num_walks = N * (1 + with_transition)
+    if store_chunks:
+        block_v = block_v_on(device, num_walks, Hv)
+    else:
+        block_v = summary_block_v(num_walks * Hv, _sm_count_on(device))
+    compiled_chunk_states(x.dtype, block_v)(
         x.k, w, u, x.gcum, x.cu, x.offsets, h0_arg, h, vnew, ht_arg,
         ht_arg if mt is None else mt.view(N * Hv, HEAD_DIM, HEAD_DIM), active_arg,
         int(h0 is not None), int(store_final), int(store_chunks), int(with_transition), int(active is not None))
