@@ -98,12 +98,13 @@ def test_auto_rule_stays_off_when_batch_fills_the_gpu():
 
 
 @pytest.mark.parametrize("lengths,heads,expected", [
-    ((32768,), 8, 32), ((16384,), 8, 32), ((8192,), 8, 32), ((32768,), 16, 32), ((32768,), 24, 32),
-    ((32768,), 32, 128),  # measured gains on the H200
+    # the best L of the H200 sweep (2026-12-01; TP4 32K: 32, within 3% of 64)
+    ((32768,), 8, 32), ((16384,), 8, 16), ((8192,), 8, 16), ((8192,), 4, 16), ((32768,), 16, 32),
+    ((32768,), 24, 32), ((32768,), 32, 128), ((8192,), 32, 32), ((16384,) * 2, 16, 64), ((8192,) * 4, 4, 16),
+    ((24576, 8192), 8, 32),
     ((4096,), 8, 0),  # 64 chunks: not measured
-    ((8192,), 32, 0),  # 128 chunks: not longer than one 128-chunk segment
     ((4096,) * 8, 8, 0), ((8192,) * 4, 64, 0), ((32768,), 64, 0),  # loads above 32 were not measured to gain
-    ((24576, 8192), 4, 32),  # effective batch 1.33 x 4 heads
+    ((24576, 8192), 4, 16),  # effective batch 1.33 x 4 heads, 2048 head-chunks
 ])
 def test_tilelang_auto_rule_follows_the_h200_calibration(lengths, heads, expected):
     from flashqla.cp.plan import calibrated_segment_chunks, resolve_segment_chunks

@@ -71,20 +71,26 @@ def auto_segment_chunks(lengths: tuple[int, ...], heads: int, sm_count: int) -> 
     return L if longest > L else 0
 
 
-# Our own H200 calibration of the TileLang path (docs/benchmarks.md, sweep of 2026-11-30, fifth session,
-# after S* and M became one summary launch and the final walk fused): CUDA-graph ms, forward / fwd+bwd,
-# off vs the best L: Hv 8 32K 1.58 / 5.86 -> 0.79 / 2.94 (L 32), 16K 0.80 / 2.99 -> 0.48 / 1.79 (32),
-# 8K 0.42 / 1.54 -> 0.33 / 1.18 (32); Hv 16 32K 1.95 / 7.33 -> 1.34 / 5.12 (64; 32 within 2.5%), 8K
-# 0.51 / 1.94 -> 0.45 / 1.70 (32); Hv 24 32K 2.66 / 9.30 -> 1.90 / 7.65 (32); Hv 32 32K 2.88 / 11.70 ->
-# 2.22 / 10.25 (128). Loads above 32 (e.g. 4 x 8K x 64 heads) were not measured to gain.
+# Our own H200 calibration of the TileLang path. Sweep of 2026-11-30 (fifth session, after S* and M became
+# one summary launch and the final walk fused): CUDA-graph ms, forward / fwd+bwd, off vs the best L: Hv 8
+# 32K 1.58 / 5.86 -> 0.79 / 2.94 (L 32), Hv 24 32K 2.66 / 9.30 -> 1.90 / 7.65 (32), Hv 32 32K 2.88 /
+# 11.70 -> 2.22 / 10.25 (128); loads above 32 (e.g. 4 x 8K x 64 heads) were not measured to gain. Re-swept
+# on 2026-12-01 (fourteenth session: cheaper summaries and chain, docs/benchmarks.md) over 19 configs:
+# the best L grows with the work, v-heads x total chunks (HC), as the cost model's sqrt(N) says: at loads
+# <= 24, HC <= 2048 wants 16 chunks (TP8 16K 1.037 -> 0.983 ms fwd+bwd, (2, 4) 8K 0.506 -> 0.446, (4, 8)
+# 8K 0.677 -> 0.614, (2, 4) 4 x 8K 1.012 -> 0.927), above it 32 (Hv 24 32K: 64 loses 8%; Hv 16 32K: 64
+# wins 3%); at loads 25-32, HC / 128 chunks (Hv 16 2 x 16K: 64, 3.53 -> 3.00; Hv 32 32K: 128; Hv 32 8K:
+# 32, 1.785 off -> 1.588).
 TILELANG_MAX_LOAD = 32  # effective batch x v-heads
 TILELANG_MIN_CHUNKS = 128  # longest sequence (8K tokens); shorter ones were not measured
-TILELANG_SHORT_SEGMENTS_MAX_LOAD = 24  # L = 32 chunks up to this load, 128 above
+TILELANG_SHORT_SEGMENTS_MAX_LOAD = 24  # L of 16 or 32 chunks up to this load, HC / 128 above
+TILELANG_SHORTEST_MAX_WORK = 2048  # v-heads x total chunks up to which L = 16
 
 
 def calibrated_segment_chunks(lengths: tuple[int, ...], heads: int) -> int:
-    """"auto" on the TileLang kernels: L = 32 chunks when effective batch x heads <= 24, 128 up to 32,
-    for a longest sequence of >= 128 chunks and longer than one segment; else 0 (off)."""
+    """"auto" on the TileLang kernels, for a longest sequence of >= 128 chunks and effective batch x heads
+    (load) <= 32: with HC = heads x total chunks, L = 16 chunks (HC <= 2048) or 32 at loads <= 24, else
+    HC / 128 (a power of two, 32 to 128); 0 (off) otherwise or when the longest sequence fits one segment."""
     chunks = [math.ceil(n / CHUNK) for n in lengths if n > 0]
     if not chunks:
         return 0
@@ -92,7 +98,11 @@ def calibrated_segment_chunks(lengths: tuple[int, ...], heads: int) -> int:
     load = total / longest * heads
     if load > TILELANG_MAX_LOAD or longest < TILELANG_MIN_CHUNKS:
         return 0
-    L = 32 if load <= TILELANG_SHORT_SEGMENTS_MAX_LOAD else 128
+    work = heads * total
+    if load <= TILELANG_SHORT_SEGMENTS_MAX_LOAD:
+        L = 16 if work <= TILELANG_SHORTEST_MAX_WORK else 32
+    else:
+        L = min(128, max(32, 2 ** round(math.log2(work / 128))))
     return L if longest > L else 0
 
 
