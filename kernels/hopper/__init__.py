@@ -7,7 +7,9 @@ Dispatch contract (flashqla/ops/backends.py):
 
 Forward, three launches: `wy_inverse` (W, U and the chunk-local cumsum of g, per chunk and v-head),
 `chunk_states` (the serial state walk per sequence, v-head and V tile), `chunk_output` (all chunks at
-once). Backward (`chunk_gdn_bwd`, backward.py): `wy_inverse` and `chunk_states` again, the reverse walk
+once); or `wy_inverse` without W and U, then `fused_fwd` (one walk computing the outputs too). The
+segmented forward (flashqla/cp/segments.py) adds `chunk_wu` (W and U of the chunks its summary walks read)
+and `segment_chain`. Backward (`chunk_gdn_bwd`, backward.py): `wy_inverse` and `chunk_states` again, the reverse walk
 `chunk_dstates`, then `chunk_bwd_local` (every chunk's gradients at once). Intra-card and inter-card CP
 (flashqla/cp) compose the same pieces: prepare, walk, summaries, fold_segments, output, state_gradients,
 backward_of.
