@@ -304,9 +304,9 @@ def summaries(x: ChunkedCall, with_transition: bool, active=None):
 def walk_operands_for(x: ChunkedCall, active):
     """(W, U) [T, Hv, 128] of `x` in the rows the summary walks `active` ([2, N, Hv], `summaries`) read;
     the other rows are never written."""
-    Ab3 = x.Ab
-    w, u = (torch.empty(Ab3.shape[0], x.num_v_heads, HEAD_DIM, dtype=Ab3.dtype, device=Ab3.device) for _ in range(2))
-    compiled_chunk_wu(x.dtype)(x.k, x.v, Ab3, x.gcum, x.cu, x.offsets, active.to(torch.int32).reshape(-1), w, u,
+    # torch.empty, not empty_like: the GPU tests poison what torch.empty returns
+    w, u = (torch.empty(x.v.shape, dtype=x.v.dtype, device=x.v.device) for _ in range(2))
+    compiled_chunk_wu(x.dtype)(x.k, x.v, x.Ab, x.gcum, x.cu, x.offsets, active.to(torch.int32).reshape(-1), w, u,
                                x.chunk_slots, x.num_seqs.bit_length())
     return w, u
 
