@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-DEADLINE_S = 300
+DEADLINE_S = 180
 
 
 def _free_port():
@@ -25,7 +25,7 @@ def _entry(rank, world_size, port, backend, fn, args):
     if backend == "nccl":
         torch.cuda.set_device(rank)
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
-                            timeout=timedelta(seconds=180))
+                            timeout=timedelta(seconds=60))
     try:
         fn(rank, world_size, *args)
     finally:
