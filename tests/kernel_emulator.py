@@ -91,8 +91,8 @@ def emulate_chunk_wu(k, v, Ab, gcum, cu, offsets, active, w, u, chunk_slots, sea
     unwritten, so a walk reading them shows)."""
     Hv = v.shape[1]
     N = cu.numel() - 1
-    walk_S, walk_M = active.view(2, N, Hv).long()
-    first = torch.where(walk_M != 0, 0, torch.where(walk_S != 0, walk_S - 1, chunk_slots))
+    # each walk's first chunk as chunk_states reads `active` (a >= 1: from chunk a - 1; 0: not walked)
+    first = torch.where(active.view(2, N, Hv).long() >= 1, active.view(2, N, Hv).long() - 1, chunk_slots).amin(0)
     hk = _qk_heads(k.shape[1], Hv)
     for n, c, t0, rows in _chunks(cu):
         gamma = _gates(gcum, t0, rows)[1]
@@ -235,7 +235,7 @@ def install(monkeypatch):
         "compiled_chunk_dstates": lambda dtype, block_v: emulate_chunk_dstates,
         "compiled_chunk_bwd_local": lambda dtype: emulate_chunk_bwd_local,
         "compiled_gqa_sum": lambda dtype: emulate_gqa_sum,
-        "compiled_segment_chain": lambda: emulate_segment_chain,
+        "compiled_segment_chain": lambda block_v: emulate_segment_chain,
     }
     for module in (launch, backward):
         for name, fake in kernels.items():

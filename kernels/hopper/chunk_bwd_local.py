@@ -36,7 +36,7 @@ the elementwise algebra in fp32. Column sums run as a serial loop over rows of a
 """
 import tilelang.language as T
 
-from .chunk_map import sequence_of_chunk
+from .chunk_map import chunk_of_slot
 
 CHUNK = 64
 HEAD_DIM = 128
@@ -130,9 +130,7 @@ def build_chunk_bwd_local(dtype: str):
             Fsum = T.alloc_var("float32")
 
             # --- which sequence and chunk this CTA owns -----------------------------------------------
-            lo = sequence_of_chunk(chunk_offsets, num_seqs, chunk, search_steps)
-            t0 = cu_seqlens[lo] + (chunk - chunk_offsets[lo]) * C
-            n_rows = T.if_then_else(chunk < chunk_offsets[num_seqs], T.min(C, cu_seqlens[lo + 1] - t0), 0)
+            seq, t0, n_rows = chunk_of_slot(cu_seqlens, chunk_offsets, num_seqs, chunk, search_steps)
             last = T.max(n_rows - 1, 0)
 
             if n_rows > 0:

@@ -10,7 +10,7 @@ reach a stored row through 0 * NaN; K rows there only reach P entries the causal
 """
 import tilelang.language as T
 
-from .chunk_map import sequence_of_chunk
+from .chunk_map import chunk_of_slot
 
 CHUNK = 64
 HEAD_DIM = 128
@@ -49,9 +49,7 @@ def build_chunk_output(dtype: str):
             O = T.alloc_fragment((C, D), "float32")
             P = T.alloc_fragment((C, C), "float32")
 
-            lo = sequence_of_chunk(chunk_offsets, num_seqs, chunk, search_steps)
-            start = cu_seqlens[lo] + (chunk - chunk_offsets[lo]) * C
-            n_rows = T.if_then_else(chunk < chunk_offsets[num_seqs], T.min(C, cu_seqlens[lo + 1] - start), 0)
+            seq, start, n_rows = chunk_of_slot(cu_seqlens, chunk_offsets, num_seqs, chunk, search_steps)
             last = T.max(n_rows - 1, 0)
 
             if n_rows > 0:

@@ -42,6 +42,14 @@ def threads_for(block_v: int) -> int:
     return 128 if block_v <= 64 else 256
 
 
+@T.macro
+def summary_walk_start(a, skipped_start):
+    """The chunk (within its sequence) where a summary walk whose `active` entry is `a` starts: a - 1 for
+    a >= 1, `skipped_start` for a skipped walk (a = 0). chunk_wu.py decodes `active` with this too, so it
+    writes W and U from the first chunk any walk reads."""
+    return T.if_then_else(a >= 1, a - 1, skipped_start)
+
+
 def build_chunk_states(dtype: str, block_v: int):
     """The prim_func for q/k/v dtype `dtype` and V tile width `block_v`; all sizes are dynamic."""
     if HEAD_DIM % block_v:
@@ -148,10 +156,9 @@ def build_chunk_states(dtype: str, block_v: int):
             first_chunk = 0
             skipped = 0
             if use_active != 0:
-                first_chunk = T.min(active[((bv // (D // BV)) * num_seqs + n) * num_v_heads + h] - 1, num_chunks)
-                if first_chunk < 0:
-                    skipped = 1
-                    first_chunk = num_chunks
+                walk_active = active[((bv // (D // BV)) * num_seqs + n) * num_v_heads + h]
+                skipped = T.if_then_else(walk_active >= 1, 0, 1)
+                first_chunk = T.min(summary_walk_start(walk_active, num_chunks), num_chunks)
 
             K0, K1 = T.alloc_shared((C, D), dtype), T.alloc_shared((C, D), dtype)
             W0, W1 = T.alloc_shared((C, D), dtype), T.alloc_shared((C, D), dtype)

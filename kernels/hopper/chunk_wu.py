@@ -12,14 +12,15 @@ writes them for the chunks a walk reads, without a second inverse:
 both 64 x 64 x 128 products on tensor cores with fp32 accumulation. gamma_s = exp(gcum_s) and Gamma_rs are
 each >= gamma_r (gates <= 0), so neither factor underflows where the row W_r it builds is representable.
 
-One CTA per (chunk slot, v-head), 128 threads. active [2, N, Hv] is the summary walk's own (launch.summaries):
-a0 = active[0] >= 1 starts the S* walk at chunk a0 - 1, a1 = active[1] != 0 walks M from chunk 0, zero skips
-a walk. A CTA whose chunk lies before the first chunk either walk reads writes nothing; rows past the end
+One CTA per (chunk slot, v-head), 128 threads. active [2, N, Hv] is the summary walk's own (launch.summaries,
+decoded by chunk_states.summary_walk_start): a >= 1 starts that walk (S*, then M) at chunk a - 1, zero skips
+it. A CTA whose chunk lies before the first chunk either walk reads writes nothing; rows past the end
 of a sequence are never written.
 """
 import tilelang.language as T
 
-from .chunk_map import sequence_of_chunk
+from .chunk_map import chunk_of_slot
+from .chunk_states import summary_walk_start
 
 CHUNK = 64
 HEAD_DIM = 128
@@ -57,17 +58,14 @@ def build_chunk_wu(dtype: str):
             gamma_sh = T.alloc_shared((C,), "float32")
             WU = T.alloc_fragment((C, D), "float32")  # W, then U
 
-            lo = sequence_of_chunk(chunk_offsets, num_seqs, chunk, search_steps)
-            start = cu_seqlens[lo] + (chunk - chunk_offsets[lo]) * C
-            n_rows = T.if_then_else(chunk < chunk_offsets[num_seqs], T.min(C, cu_seqlens[lo + 1] - start), 0)
+            seq, start, n_rows = chunk_of_slot(cu_seqlens, chunk_offsets, num_seqs, chunk, search_steps)
             last = T.max(n_rows - 1, 0)
-            # the first chunk (within its sequence) that a summary walk of (lo, h) reads: 0 for the M walk,
-            # a0 - 1 for the S* walk, past every chunk where neither runs
-            walk_S = active[lo * num_v_heads + h]
-            walk_M = active[(num_seqs + lo) * num_v_heads + h]
-            first = T.if_then_else(walk_M != 0, 0, T.if_then_else(walk_S != 0, walk_S - 1, num_chunk_slots))
+            # the first chunk (within its sequence) that a summary walk of (seq, h) reads, decoded as
+            # chunk_states decodes it; past every chunk where neither walk runs
+            first = T.min(summary_walk_start(active[seq * num_v_heads + h], num_chunk_slots),
+                          summary_walk_start(active[(num_seqs + seq) * num_v_heads + h], num_chunk_slots))
 
-            if n_rows > 0 and chunk - chunk_offsets[lo] >= first:
+            if n_rows > 0 and chunk - chunk_offsets[seq] >= first:
                 T.async_copy(Ab[start:start + C, h, 0:C], Ab_sh)
                 T.async_copy(k[start:start + C, hk, 0:D], K_sh)
                 T.async_copy(v[start:start + C, h, 0:D], V_sh)

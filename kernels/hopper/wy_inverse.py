@@ -49,7 +49,7 @@ and 48.5 KiB (4 CTAs per SM).
 import tilelang
 import tilelang.language as T
 
-from .chunk_map import sequence_of_chunk
+from .chunk_map import chunk_of_slot
 
 CHUNK = 64
 HEAD_DIM = 128
@@ -96,10 +96,7 @@ def build_wy_inverse(dtype: str, with_wu: bool = True):
             acc8 = T.alloc_local((8,), "float32")
 
             # --- which sequence and chunk this CTA owns -------------------------------------------
-            lo = sequence_of_chunk(chunk_offsets, num_seqs, chunk, search_steps)
-            start = cu_seqlens[lo] + (chunk - chunk_offsets[lo]) * C
-            # rows of this chunk inside the sequence (0 for CTAs past the last chunk)
-            n_rows = T.if_then_else(chunk < chunk_offsets[num_seqs], T.min(C, cu_seqlens[lo + 1] - start), 0)
+            seq, start, n_rows = chunk_of_slot(cu_seqlens, chunk_offsets, num_seqs, chunk, search_steps)
             last = T.max(n_rows - 1, 0)
 
             # --- loads -----------------------------------------------------------------------------
