@@ -34,6 +34,14 @@ def test_kernel_compiles_for_sm90a(compiled_in_parallel, builder, args):
         assert "wgmma" in source, "the tensor-core products must lower to Hopper WGMMA"
 
 
+def test_segment_chain_tiles_fill_one_wave_then_widen():
+    chosen = {launch.chain_block_v(chains, sm_count=132) for chains in (1, 8, 16, 24, 64, 512)}
+    assert chosen <= set(launch.CHAIN_BLOCK_V_CHOICES)
+    assert launch.chain_block_v(8, sm_count=132) == 8  # TP8, one sequence: 8 heads x 16 tiles, one wave
+    assert launch.chain_block_v(16, sm_count=132) == 16  # TP4: 16 x 16 tiles would be two waves
+    assert launch.chain_block_v(512, sm_count=132) == 16
+
+
 def test_dispatch_only_chooses_compiled_tile_widths():
     chosen = {launch.block_v_for(n, hv, sm_count=132) for n in (1, 2, 4, 8, 64) for hv in (1, 8, 16, 24, 32, 64)}
     assert chosen <= set(launch.BLOCK_V_CHOICES)

@@ -25,6 +25,11 @@ MIN_CTAS_PER_SM = 0.7
 # summary tiles of 32 at TP8 32K 0.465 -> 0.431 ms, h32 1.361 -> 1.229; at 512 walks 64 beats 32.
 SUMMARY_MAX_CTAS_PER_SM = 8
 
+# The segment chain's V tiles (one CTA each, one CTA per SM by shared memory): 8 columns while the chains
+# fit in one wave, else 16. H200, 2026-12-01 (docs/kernels.md, "Fifteenth session"): 16 steps x 8 heads,
+# all exact, 69 -> 44 us at 8 (16 CTAs per head); 4 rows x 32 heads 33 us at 16, 43 at 8.
+CHAIN_BLOCK_V_CHOICES = (8, 16)
+
 _TORCH_TO_TL = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 KERNEL_DTYPES = tuple(_TORCH_TO_TL.values())
 
@@ -96,9 +101,9 @@ def compiled_gqa_sum(dtype: str):
 
 
 @functools.lru_cache(maxsize=None)
-def compiled_segment_chain():
-    """The compiled fp32 chain over intra-card CP segments (segment_chain.py)."""
-    return compile_from("segment_chain", "build_segment_chain", "segment_chain()")
+def compiled_segment_chain(block_v: int):
+    """The compiled fp32 chain over intra-card CP segments (segment_chain.py) on V tiles of `block_v`."""
+    return compile_from("segment_chain", "build_segment_chain", f"segment_chain(block_v={block_v})", block_v)
 
 
 def kernel_configs(dtypes=KERNEL_DTYPES):
@@ -118,7 +123,8 @@ def kernel_configs(dtypes=KERNEL_DTYPES):
             yield compiled_fused_fwd, (dtype, block_v)
             yield compiled_chunk_states, (dtype, block_v)
             yield compiled_chunk_dstates, (dtype, block_v)
-    yield compiled_segment_chain, ()
+    for block_v in CHAIN_BLOCK_V_CHOICES:
+        yield compiled_segment_chain, (block_v,)
 
 
 @functools.lru_cache(maxsize=None)
@@ -311,6 +317,15 @@ def walk_operands_for(x: ChunkedCall, active):
     return w, u
 
 
+def chain_block_v(num_chains: int, sm_count: int) -> int:
+    """The segment chain's V tile for `num_chains` (sequence, v-head) chains: the narrowest whose CTAs fit in
+    one wave, else the widest."""
+    for block_v in CHAIN_BLOCK_V_CHOICES:
+        if num_chains * (HEAD_DIM // block_v) <= sm_count:
+            return block_v
+    return CHAIN_BLOCK_V_CHOICES[-1]
+
+
 def fold_segments(out, bias, mats, mask, first_rows, last_rows, reverse: bool):
     """The chain over segments in one `segment_chain` launch, in place on `out` (fp32 [rows, Hv, 128, 128];
     first rows (forward) or last rows (reverse) of every sequence set):
@@ -319,7 +334,8 @@ def fold_segments(out, bias, mats, mask, first_rows, last_rows, reverse: bool):
     [sequences]."""
     rows, Hv = mask.shape
     flat = lambda t: t.view(rows * Hv, HEAD_DIM, HEAD_DIM)  # noqa: E731
-    compiled_segment_chain()(flat(out), flat(bias), flat(mats), mask.reshape(-1), first_rows, last_rows, Hv,
+    block_v = chain_block_v(first_rows.numel() * Hv, _sm_count_on(out.device))
+    compiled_segment_chain(block_v)(flat(out), flat(bias), flat(mats), mask.reshape(-1), first_rows, last_rows, Hv,
                              int(reverse))
     return out
 

@@ -10,38 +10,80 @@ Backward (`reverse = 1`), for r = last - 1 down to first:
 
 `out` holds the first (forward) or last (backward) row of every sequence on entry. All operands fp32
 [rows * Hv, 128, 128] (mask [rows * Hv]); the products run on CUDA cores in fp32 (a fp32 T.gemm would
-be TF32). One CTA per (V tile of 16 columns, sequence, v-head): what was one batched GEMM launch per
-segment position on the host is one launch for the whole chain; a row whose mask is 0 skips its product.
+be TF32). One CTA per (V tile, sequence, v-head): what was one batched GEMM launch per segment position
+on the host is one launch for the whole chain; a row whose mask is 0 skips its product.
 
-Each step is a 128 x 16 x 128 product, serial along the chain, so a step's latency is the kernel's time:
-- the next step's bias tile and matrix are in flight (cp.async into the second of two shared buffers)
-  while this step multiplies;
-- each thread holds a 4 x 4 block of the product, so every shared load feeds 8 FMAs: 16-byte reads of
-  4 consecutive k of a row of M (forward) or of 4 consecutive rows of a row of M (backward, M^T) and of
-  4 columns of a row of the state. The forward's 4 rows are i = a + 32 r, so the 8 rows a warp reads at
-  once are consecutive and, with the matrix rows padded to 132 floats, on 8 different bank groups; the
-  backward's are i = 4 a + r (one 16-byte read of row k holds all four).
+Each step is a 128 x block_v x 128 product, serial along the chain, so a step's latency is the kernel's
+time. What a step waits for, and how each wait is kept off it:
+- the next step's matrix (64 KiB) and the bias tiles of the next three steps are in flight by cp.async
+  while this step works (two matrix buffers, BIAS_STAGES bias buffers; a step waits for all but the
+  newest group): a step without a product is too short to cover even one bias load;
+- the mask values, which decide whether a step multiplies and whether its matrix is loaded, are read
+  MASK_BLOCK at a time into shared memory (one load round trip per block of steps); read where they were
+  needed, a global round trip came before every prefetch;
+- the product: each thread holds `rows_per_thread` rows x all `block_v` columns over a 1 / `k_groups`
+  slice of k, so every element of M is read from shared memory once per step and a row of S is one
+  broadcast to the threads of a k group (with each thread a 4 x 4 block of 16 columns over all of k, M was
+  read four times and S 32 times: 512 KiB of shared-memory traffic per step); the k groups' partial blocks
+  meet in shared memory, where each thread adds one row's four columns to the bias. A thread's rows are
+  i = a + (128 / rows_per_thread) r in both directions, so the threads of a warp read consecutive rows of M
+  (forward: 16 bytes of k each, rows padded to 132 floats so that they fall on different bank groups) or
+  consecutive columns of one row (backward, M^T), and write consecutive rows of the partial tiles.
+H200, 2026-12-01, CUDA-graph replays of the kernel alone (docs/kernels.md, "Fifteenth session"): 16 steps
+x 8 heads all exact 69 -> 44 us, a quarter exact 43 -> 28, 32 steps x 4 heads 129 -> 80, 600 steps x 2
+heads 1442 -> 835; float64 agreement 1e-7 -> 6e-8.
 """
 import tilelang.language as T
 
 HEAD_DIM = 128
-BLOCK_V = 16
+ROWS_PER_THREAD = 4
+K_GROUPS = 4
+BIAS_STAGES = 4  # bias tiles in flight: a step without a product is too short to cover one load
+MASK_BLOCK = 256  # mask values read together
+MAX_SHARED_BYTES = 227 * 1024  # one SM90 CTA's limit
 ROW_PAD = 4  # floats after each matrix row in shared memory (see the bank-group note above)
 
 
-def build_segment_chain():
+def build_segment_chain(block_v: int, rows_per_thread: int = ROWS_PER_THREAD, k_groups: int = K_GROUPS):
     num_mats = T.dynamic("num_mats")
     num_seqs = T.dynamic("num_seqs")
-    D, BV = HEAD_DIM, BLOCK_V
+    D, BV, RT = HEAD_DIM, block_v, rows_per_thread
+    if D % BV or BV % 4 or D % RT or D % (4 * k_groups):
+        raise ValueError(f"unsupported tiling block_v={BV}, rows_per_thread={RT}, k_groups={k_groups}")
+    row_groups = D // RT  # threads sharing a k group, one block of rows each
+    threads = row_groups * k_groups
+    k_span = D // k_groups  # the k range of one k group
+    quads = D * BV // 4  # (row, 4 columns) items of the output tile
+    if quads % threads:
+        raise ValueError(f"{threads} threads do not divide the {quads} output items")
+    shared_bytes = 4 * (2 * D * (D + ROW_PAD) + (BIAS_STAGES + 1 + k_groups) * D * BV + 2 * MASK_BLOCK)
+    if shared_bytes > MAX_SHARED_BYTES:
+        raise ValueError(f"block_v={BV}, k_groups={k_groups} needs {shared_bytes} bytes of shared memory per CTA")
 
     @T.macro
-    def prefetch(bias, mats, mask, M_s, B_s, num_heads, reverse, h, v0, first, last, step, buf):
-        """Step `step`'s bias tile, and its matrix where its mask is not 0, into buffer `buf` (cp.async)."""
-        row = T.if_then_else(reverse != 0, last - 1 - step, first + 1 + step)
-        src = T.if_then_else(reverse != 0, row + 1, row - 1)
-        T.async_copy(bias[src * num_heads + h, 0:D, v0:v0 + BV], B_s[buf, 0:D, 0:BV])
-        if mask[row * num_heads + h] != 0:
-            T.async_copy(mats[src * num_heads + h, 0:D, 0:D], M_s[buf, 0:D, 0:D])
+    def row_of(reverse, first, last, step):
+        """The row step `step` writes."""
+        return T.if_then_else(reverse != 0, last - 1 - step, first + 1 + step)
+
+    @T.macro
+    def source_of(num_heads, reverse, h, first, last, step):
+        """The flat index of the bias tile and matrix step `step` reads (row r - 1 forward, r + 1 backward)."""
+        row = row_of(reverse, first, last, step)
+        return T.if_then_else(reverse != 0, row + 1, row - 1) * num_heads + h
+
+    @T.macro
+    def mask_of(mask, num_heads, reverse, h, first, last, steps, step):
+        """Step `step`'s mask value (0 past the last step)."""
+        row = T.max(T.min(row_of(reverse, first, last, step), last), first)
+        return T.if_then_else(step < steps, mask[row * num_heads + h], 0.0)
+
+    @T.macro
+    def load_mask_block(mask, mask_s, num_heads, reverse, h, first, last, steps, block):
+        """The mask values of steps block * MASK_BLOCK .. + MASK_BLOCK - 1 into their slot of mask_s: one
+        load round trip per MASK_BLOCK steps instead of one before every prefetch."""
+        for j in T.Parallel(MASK_BLOCK):
+            mask_s[block % 2 * MASK_BLOCK + j] = mask_of(mask, num_heads, reverse, h, first, last, steps,
+                                                         block * MASK_BLOCK + j)
 
     @T.prim_func
     def segment_chain(
@@ -54,75 +96,97 @@ def build_segment_chain():
         num_heads: T.int32,
         reverse: T.int32,
     ):
-        with T.Kernel(D // BV, num_seqs, num_heads, threads=128) as (bv, n, h):
+        with T.Kernel(D // BV, num_seqs, num_heads, threads=threads) as (bv, n, h):
             v0 = bv * BV
             first = first_rows[n]
             last = last_rows[n]
             M_s = T.alloc_shared((2, D, D + ROW_PAD), "float32")  # this step's matrix and the next one's
-            B_s = T.alloc_shared((2, D, BV), "float32")  # this step's bias tile and the next one's
+            B_s = T.alloc_shared((BIAS_STAGES, D, BV), "float32")  # bias tiles of this step and the next ones
             S_s = T.alloc_shared((D, BV), "float32")
-            acc = T.alloc_local((4, 4), "float32")  # this thread's 4 rows x 4 columns of out[row]
-            prod = T.alloc_local((4, 4), "float32")
-            m_part = T.alloc_local((4, 4), "float32")
-            s_part = T.alloc_local((4, 4), "float32")
-            scale = T.alloc_var("float32")
+            part_s = T.alloc_shared((k_groups, D, BV), "float32")  # each k group's partial product
+            prod = T.alloc_local((RT, BV), "float32")  # this thread's rows x the tile's columns, over its k range
+            m_part = T.alloc_local((RT, 4), "float32")  # M[i, k .. k + 3] of this thread's rows i
+            s_part = T.alloc_local((4, BV), "float32")  # S[k .. k + 3, :]
+            acc = T.alloc_local((4,), "float32")  # one row, four columns of out[row]
+            total = T.alloc_local((4,), "float32")
+            mask_s = T.alloc_shared((2 * MASK_BLOCK,), "float32")  # mask of step s at s % (2 MASK_BLOCK)
+            scale = T.alloc_var("float32")  # this step's mask
 
             tx = T.get_thread_binding()
-            a = tx // 4  # row group: rows a + 32 r (forward) or 4 a + r (backward)
-            j0 = tx % 4 * 4  # first of this thread's 4 columns in the tile
+            k0 = tx // row_groups * k_span  # first k of this thread's k group
+            a = tx % row_groups  # this thread's rows: a + row_groups r
             start = T.if_then_else(reverse != 0, last, first)
             steps = last - first
             T.copy(out[start * num_heads + h, 0:D, v0:v0 + BV], S_s)
+            load_mask_block(mask, mask_s, num_heads, reverse, h, first, last, steps, 0)
+            T.sync_threads()
+            # cp.async groups, oldest first: step 0's matrix (if its mask is not 0), then the bias tiles of
+            # steps 0 .. BIAS_STAGES - 2; every step then adds its successor's matrix and one bias tile, so
+            # "all but the newest group landed" is what a step waits for
             if steps > 0:
-                prefetch(bias, mats, mask, M_s, B_s, num_heads, reverse, h, v0, first, last, 0, 0)
+                if mask_s[0] != 0:
+                    T.async_copy(mats[source_of(num_heads, reverse, h, first, last, 0), 0:D, 0:D], M_s[0, 0:D, 0:D])
+                for b in T.unroll(BIAS_STAGES - 1):
+                    src = source_of(num_heads, reverse, h, first, last, T.min(b, steps - 1))
+                    T.async_copy(bias[src, 0:D, v0:v0 + BV], B_s[b, 0:D, 0:BV])
             for step in T.serial(steps):
-                row = T.if_then_else(reverse != 0, last - 1 - step, first + 1 + step)
-                buf = step % 2
-                scale = mask[row * num_heads + h]
-                T.ptx_wait_group(0)
+                row = row_of(reverse, first, last, step)
+                T.ptx_wait_group(1)
                 T.sync_threads()  # this step's tiles and the previous step's state visible to all
-                if step + 1 < steps:  # the next step's tiles, into the buffers the previous step read
-                    prefetch(bias, mats, mask, M_s, B_s, num_heads, reverse, h, v0, first, last, step + 1, 1 - buf)
-                for r in T.unroll(4):
-                    i = T.if_then_else(reverse != 0, 4 * a + r, a + 32 * r)
-                    for c in T.vectorized(4):
-                        acc[r, c] = B_s[buf, i, j0 + c]
+                scale = mask_s[step % (2 * MASK_BLOCK)]
+                if step % MASK_BLOCK == 0:  # the next block of masks, into the slot of the previous one
+                    load_mask_block(mask, mask_s, num_heads, reverse, h, first, last, steps, step // MASK_BLOCK + 1)
+                # into the buffers the previous step read: the next step's matrix where its mask is not 0,
+                # and the bias tile BIAS_STAGES - 1 steps ahead (past the last step a repeat of the last one,
+                # so that every step adds a group)
+                if mask_s[(step + 1) % (2 * MASK_BLOCK)] != 0:
+                    src = source_of(num_heads, reverse, h, first, last, step + 1)
+                    T.async_copy(mats[src, 0:D, 0:D], M_s[(step + 1) % 2, 0:D, 0:D])
+                ahead = step + BIAS_STAGES - 1
+                src = source_of(num_heads, reverse, h, first, last, T.min(ahead, steps - 1))
+                T.async_copy(bias[src, 0:D, v0:v0 + BV], B_s[ahead % BIAS_STAGES, 0:D, 0:BV])
                 if scale != 0:
-                    for r in T.unroll(4):
-                        for c in T.unroll(4):
+                    for r in T.unroll(RT):
+                        for c in T.unroll(BV):
                             prod[r, c] = 0.0
-                    if reverse != 0:  # prod[i, j] = sum_k M[k, i] S[k, j], rows i = 4 a + r
-                        for kq in T.serial(D // 4):
-                            for q in T.unroll(4):
-                                for r in T.vectorized(4):
-                                    m_part[q, r] = M_s[buf, 4 * kq + q, 4 * a + r]
-                                for c in T.vectorized(4):
-                                    s_part[q, c] = S_s[4 * kq + q, j0 + c]
-                            for q in T.unroll(4):
-                                for r in T.unroll(4):
-                                    for c in T.unroll(4):
-                                        prod[r, c] += m_part[q, r] * s_part[q, c]
-                    else:  # prod[i, j] = sum_k M[i, k] S[k, j], rows i = a + 32 r, k four at a time
-                        for kq in T.serial(D // 4):
-                            for r in T.unroll(4):
-                                for q in T.vectorized(4):
-                                    m_part[r, q] = M_s[buf, a + 32 * r, 4 * kq + q]
-                            for q in T.unroll(4):
-                                for c in T.vectorized(4):
-                                    s_part[q, c] = S_s[4 * kq + q, j0 + c]
-                            for r in T.unroll(4):
+                    for kq in T.serial(k_span // 4):
+                        k = k0 + 4 * kq
+                        if reverse != 0:  # M^T: m_part[r, q] = M[k + q, i]
+                            for r in T.unroll(RT):
                                 for q in T.unroll(4):
-                                    for c in T.unroll(4):
-                                        prod[r, c] += m_part[r, q] * s_part[q, c]
-                    for r in T.unroll(4):
-                        for c in T.unroll(4):
-                            acc[r, c] += scale * prod[r, c]
-                T.sync_threads()  # every thread has read this step's state
-                for r in T.unroll(4):
-                    i = T.if_then_else(reverse != 0, 4 * a + r, a + 32 * r)
+                                    m_part[r, q] = M_s[step % 2, k + q, a + row_groups * r]
+                        else:
+                            for r in T.unroll(RT):
+                                for q in T.vectorized(4):
+                                    m_part[r, q] = M_s[step % 2, a + row_groups * r, k + q]
+                        for q in T.unroll(4):
+                            for c in T.vectorized(BV):
+                                s_part[q, c] = S_s[k + q, c]
+                        for r in T.unroll(RT):
+                            for q in T.unroll(4):
+                                for c in T.unroll(BV):
+                                    prod[r, c] += m_part[r, q] * s_part[q, c]
+                    for r in T.unroll(RT):
+                        for c in T.vectorized(BV):
+                            part_s[tx // row_groups, a + row_groups * r, c] = prod[r, c]
+                T.sync_threads()  # every partial product written, every read of this step's state done
+                for p in T.serial(quads // threads):  # out[row] = bias + mask M S, a row's four columns per thread
+                    item = p * threads + tx
+                    i = item // (BV // 4)
+                    c0 = item % (BV // 4) * 4
                     for c in T.vectorized(4):
-                        S_s[i, j0 + c] = acc[r, c]
+                        acc[c] = B_s[step % BIAS_STAGES, i, c0 + c]
+                    if scale != 0:
+                        for c in T.vectorized(4):
+                            total[c] = 0.0
+                        for g in T.unroll(k_groups):
+                            for c in T.vectorized(4):
+                                total[c] = total[c] + part_s[g, i, c0 + c]
+                        for c in T.vectorized(4):
+                            acc[c] = acc[c] + scale * total[c]
                     for c in T.vectorized(4):
-                        out[row * num_heads + h, i, v0 + j0 + c] = acc[r, c]
+                        S_s[i, c0 + c] = acc[c]
+                    for c in T.vectorized(4):
+                        out[row * num_heads + h, i, v0 + c0 + c] = acc[c]
 
     return segment_chain
