@@ -33,6 +33,12 @@ gamma rows, E_P), where `scale` is applied, so no scaled copy of dO is made.
 
 256 threads; operands of the tensor-core products in the input dtype from shared memory, accumulators and
 the elementwise algebra in fp32. Column sums run as a serial loop over rows of a shared fp32 tile.
+
+Laid out for TileLang's layout inference, whose free-mode search is quadratic in the tile operators that
+share fragments (docs/kernels.md, "Fifteenth session"): every stage has its own fragments, and what crosses
+stages per row (gamma, gamma_last / gamma, each stage's share of dgc and dbeta) lives in small shared
+arrays, summed at the end. Only Gamma, P and Vd stay fragments across stages. The compile of this kernel
+went from 229 s (207 s of it in layout inference, all ~75 operators in one component) to ~40 s.
 """
 import tilelang.language as T
 
@@ -52,16 +58,19 @@ def build_chunk_bwd_local(dtype: str):
     C, D = CHUNK, HEAD_DIM
 
     @T.macro
-    def add_row_minus_column_sums(E, E_sh, rows, col, dgc_acc):
-        """dgc_acc += rowsum(E) - colsum(E); the column sums run serially over rows of E's shared copy."""
+    def row_minus_column_sums(E, E_sh, rows, col, part, slot):
+        """part[slot] = rowsum(E) - colsum(E); the column sums run serially over rows of E's shared copy."""
         T.copy(E, E_sh)
         T.reduce_sum(E, rows, dim=1)
-        T.clear(col)
+        for r in T.Parallel(C):
+            part[slot, r] = rows[r]
+        for s in T.Parallel(C):
+            col[s] = 0.0
         for r in T.serial(C):
             for s in T.Parallel(C):
                 col[s] = col[s] + E_sh[r, s]
-        for r in T.Parallel(C):
-            dgc_acc[r] = dgc_acc[r] + rows[r] - col[r]
+        for s in T.Parallel(C):
+            part[slot, s] = part[slot, s] - col[s]
 
     @T.macro
     def store_rows(tile, out, t0, hv, n_rows):
@@ -110,26 +119,49 @@ def build_chunk_bwd_local(dtype: str):
             E_sh = T.alloc_shared((C, C), "float32")  # E_P, then E_A (column sums)
             gc_sh = T.alloc_shared((C,), "float32")
             beta_sh = T.alloc_shared((C,), "float32")
+            gam_sh = T.alloc_shared((C,), "float32")  # gamma of each row
+            tail_sh = T.alloc_shared((C,), "float32")  # gamma_last / gamma of each row
             F_sh = T.alloc_shared((C,), "float32")
             dg_sh = T.alloc_shared((C,), "float32")
+            # the stages' shares of dgc: E_P, (gamma Q S) o dOs, E_A, K o dVd S^T; then gamma_last <S, dS> by
+            # row (it joins F in the last row); of dbeta: dX o Vd, dL o K K^T
+            dgc_part = T.alloc_shared((5, C), "float32")
+            dbeta_part = T.alloc_shared((2, C), "float32")
 
+            # fragments that cross stages
             Vd = T.alloc_fragment((C, D), "float32")
-            dVn = T.alloc_fragment((C, D), "float32")
-            tmp = T.alloc_fragment((C, D), "float32")
-            acc = T.alloc_fragment((C, D), "float32")  # dq, then dk
-            CC = T.alloc_fragment((C, C), "float32")
-            P = T.alloc_fragment((C, C), "float32")
-            E = T.alloc_fragment((C, C), "float32")
             Gam = T.alloc_fragment((C, C), "float32")  # the decay mask Gamma, formed once for its four uses
-            rows = T.alloc_fragment((C,), "float32")
-            dgc_acc = T.alloc_fragment((C,), "float32")
-            dbeta_acc = T.alloc_fragment((C,), "float32")
-            col = T.alloc_fragment((C,), "float32")
-            gam = T.alloc_fragment((C,), "float32")  # gamma of each row
-            tail = T.alloc_fragment((C,), "float32")  # gamma_last / gamma of each row
+            P = T.alloc_fragment((C, C), "float32")
+            # each stage's own
+            KS = T.alloc_fragment((C, D), "float32")
+            Vn = T.alloc_fragment((C, D), "float32")
+            KdS = T.alloc_fragment((C, D), "float32")
+            QS = T.alloc_fragment((C, D), "float32")
+            VndS = T.alloc_fragment((C, D), "float32")
+            dX = T.alloc_fragment((C, D), "float32")
+            dVdS = T.alloc_fragment((C, D), "float32")
+            SdS = T.alloc_fragment((C, D), "float32")
+            dVn = T.alloc_fragment((C, D), "float32")
+            acc_q = T.alloc_fragment((C, D), "float32")
+            acc_k = T.alloc_fragment((C, D), "float32")
+            dP = T.alloc_fragment((C, C), "float32")
+            dGA = T.alloc_fragment((C, C), "float32")
+            dL = T.alloc_fragment((C, C), "float32")
+            KK = T.alloc_fragment((C, C), "float32")
+            E_P = T.alloc_fragment((C, C), "float32")
+            E_A = T.alloc_fragment((C, C), "float32")
+            rows_P = T.alloc_fragment((C,), "float32")
+            rows_QS = T.alloc_fragment((C,), "float32")
+            rows_F = T.alloc_fragment((C,), "float32")
+            rows_dX = T.alloc_fragment((C,), "float32")
+            rows_A = T.alloc_fragment((C,), "float32")
+            rows_L = T.alloc_fragment((C,), "float32")
+            rows_dVd = T.alloc_fragment((C,), "float32")
+            rows_SdS = T.alloc_fragment((C,), "float32")
+            col_P = T.alloc_shared((C,), "float32")
+            col_A = T.alloc_shared((C,), "float32")
             Fsum = T.alloc_var("float32")
 
-            # --- which sequence and chunk this CTA owns -----------------------------------------------
             seq, t0, n_rows = chunk_of_slot(cu_seqlens, chunk_offsets, num_seqs, chunk, search_steps)
             last = T.max(n_rows - 1, 0)
 
@@ -162,16 +194,14 @@ def build_chunk_bwd_local(dtype: str):
                 for r in T.Parallel(C):
                     gc_sh[r] = gcum[hv, t0 + T.min(r, last)] * LOG2E
                     beta_sh[r] = T.if_then_else(r < n_rows, beta[t0 + T.min(r, last), hv], 0.0)
-                # the row decays gamma and gamma_last / gamma, once per row (two rows per thread)
-                for r in T.Parallel(C):
-                    gam[r] = T.exp2(gc_sh[r])
-                    tail[r] = T.exp2(gc_sh[C - 1] - gc_sh[r])
-                T.clear(dgc_acc)
+                for r in T.Parallel(C):  # the row decays, once per row
+                    gam_sh[r] = T.exp2(gc_sh[r])
+                    tail_sh[r] = T.exp2(gc_sh[C - 1] - gc_sh[r])
 
                 # Vd = V - diag(gamma) K S;  CD1 <- diag(beta) Vd;  Gamma o A
-                T.gemm(K_s, S_s, tmp, clear_accum=True)
+                T.gemm(K_s, S_s, KS, clear_accum=True)
                 for r, j in T.Parallel(C, D):
-                    Vd[r, j] = CD1_s[r, j] - gam[r] * tmp[r, j]
+                    Vd[r, j] = CD1_s[r, j] - gam_sh[r] * KS[r, j]
                 for r, j in T.Parallel(C, D):
                     CD1_s[r, j] = beta_sh[r] * Vd[r, j]
                 for r, s in T.Parallel(C, C):
@@ -180,8 +210,8 @@ def build_chunk_bwd_local(dtype: str):
                     GA_s[r, s] = A_s[r, s] * Gam[r, s]
 
                 # V_new = (Gamma o A) diag(beta) Vd -> CD2
-                T.gemm(GA_s, CD1_s, tmp, clear_accum=True)
-                T.copy(tmp, CD2_s)
+                T.gemm(GA_s, CD1_s, Vn, clear_accum=True)
+                T.copy(Vn, CD2_s)
 
                 # P = Gamma o Q K^T (fp32 in P); CC1 <- scale P, so that CC1^T dO = P^T dOs
                 T.ptx_wait_group(2)  # Q
@@ -195,117 +225,118 @@ def build_chunk_bwd_local(dtype: str):
                 # dV_new = P^T dOs + diag(gamma_last / gamma) K dS
                 T.ptx_wait_group(0)  # dS, dO
                 T.sync_threads()
-                T.gemm(K_s, dS_s, tmp, clear_accum=True)
+                T.gemm(K_s, dS_s, KdS, clear_accum=True)
                 T.gemm(CC1_s, dO_s, dVn, transpose_A=True, clear_accum=True)
                 for r, j in T.Parallel(C, D):
-                    dVn[r, j] = dVn[r, j] + tail[r] * tmp[r, j]
+                    dVn[r, j] = dVn[r, j] + tail_sh[r] * KdS[r, j]
                 T.copy(dVn, dVn_s)
 
                 # dP = dOs V_new^T = scale dO V_new^T; E_P = dP o P; CC1 <- dP o Gamma
-                T.gemm(dO_s, CD2_s, CC, transpose_B=True, clear_accum=True)
+                T.gemm(dO_s, CD2_s, dP, transpose_B=True, clear_accum=True)
                 for r, s in T.Parallel(C, C):
-                    CC[r, s] = CC[r, s] * scale
+                    dP[r, s] = dP[r, s] * scale
                 for r, s in T.Parallel(C, C):
-                    E[r, s] = CC[r, s] * P[r, s]
+                    E_P[r, s] = dP[r, s] * P[r, s]
                 for r, s in T.Parallel(C, C):
-                    CC1_s[r, s] = CC[r, s] * Gam[r, s]
-                add_row_minus_column_sums(E, E_sh, rows, col, dgc_acc)
+                    CC1_s[r, s] = dP[r, s] * Gam[r, s]
+                row_minus_column_sums(E_P, E_sh, rows_P, col_P, dgc_part, 0)
 
                 # dgc += rowsum(dOs o diag(gamma) Q S)
-                T.gemm(Q_s, S_s, tmp, clear_accum=True)
+                T.gemm(Q_s, S_s, QS, clear_accum=True)
                 for r, j in T.Parallel(C, D):
-                    tmp[r, j] = (gam[r] * scale) * tmp[r, j] * dO_s[r, j]
-                T.reduce_sum(tmp, rows, dim=1)
+                    QS[r, j] = (gam_sh[r] * scale) * QS[r, j] * dO_s[r, j]
+                T.reduce_sum(QS, rows_QS, dim=1)
                 for r in T.Parallel(C):
-                    dgc_acc[r] = dgc_acc[r] + rows[r]
+                    dgc_part[1, r] = rows_QS[r]
 
                 # dq = diag(gamma) dOs S^T + (dP o Gamma) K; dO is done after these: dq leaves through its tile
-                T.gemm(dO_s, S_s, acc, transpose_B=True, clear_accum=True)
+                T.gemm(dO_s, S_s, acc_q, transpose_B=True, clear_accum=True)
                 for r, j in T.Parallel(C, D):
-                    acc[r, j] = acc[r, j] * (gam[r] * scale)
-                T.gemm(CC1_s, K_s, acc)
-                T.copy(acc, dO_s)
+                    acc_q[r, j] = acc_q[r, j] * (gam_sh[r] * scale)
+                T.gemm(CC1_s, K_s, acc_q)
+                T.copy(acc_q, dO_s)
                 store_rows(dO_s, dq, t0, hv, n_rows)
 
                 # dk = (dP o Gamma)^T Q + diag(gamma_last / gamma) V_new dS^T;  F = that scale o rowsum(K o V_new dS^T)
-                T.gemm(CC1_s, Q_s, acc, transpose_A=True, clear_accum=True)
-                T.gemm(CD2_s, dS_s, tmp, transpose_B=True, clear_accum=True)
+                T.gemm(CC1_s, Q_s, acc_k, transpose_A=True, clear_accum=True)
+                T.gemm(CD2_s, dS_s, VndS, transpose_B=True, clear_accum=True)
                 for r, j in T.Parallel(C, D):
-                    acc[r, j] = acc[r, j] + tail[r] * tmp[r, j]
+                    acc_k[r, j] = acc_k[r, j] + tail_sh[r] * VndS[r, j]
                 for r, j in T.Parallel(C, D):
-                    tmp[r, j] = K_s[r, j] * tmp[r, j]
-                T.reduce_sum(tmp, rows, dim=1)
+                    VndS[r, j] = K_s[r, j] * VndS[r, j]
+                T.reduce_sum(VndS, rows_F, dim=1)
                 for r in T.Parallel(C):
-                    F_sh[r] = tail[r] * rows[r]
-                for r in T.Parallel(C):
-                    dgc_acc[r] = dgc_acc[r] - F_sh[r]
+                    F_sh[r] = tail_sh[r] * rows_F[r]
 
                 # dX = (Gamma o A)^T dV_new; dv = dVd = diag(beta) dX -> CD2 (V_new is done);
                 # dbeta = rowsum(dX o Vd)
-                T.gemm(GA_s, dVn_s, tmp, transpose_A=True, clear_accum=True)
+                T.gemm(GA_s, dVn_s, dX, transpose_A=True, clear_accum=True)
                 for r, j in T.Parallel(C, D):
-                    CD2_s[r, j] = beta_sh[r] * tmp[r, j]
+                    CD2_s[r, j] = beta_sh[r] * dX[r, j]
                 store_rows(CD2_s, dv, t0, hv, n_rows)
                 for r, j in T.Parallel(C, D):
-                    tmp[r, j] = tmp[r, j] * Vd[r, j]
-                T.reduce_sum(tmp, dbeta_acc, dim=1)
+                    dX[r, j] = dX[r, j] * Vd[r, j]
+                T.reduce_sum(dX, rows_dX, dim=1)
+                for r in T.Parallel(C):
+                    dbeta_part[0, r] = rows_dX[r]
 
                 # dGamma_A = dV_new (diag(beta) Vd)^T; E_A = dGamma_A o (Gamma o A); CC1 <- dA = dGamma_A o Gamma
-                T.gemm(dVn_s, CD1_s, CC, transpose_B=True, clear_accum=True)
+                T.gemm(dVn_s, CD1_s, dGA, transpose_B=True, clear_accum=True)
                 for r, s in T.Parallel(C, C):
-                    E[r, s] = CC[r, s] * GA_s[r, s]
+                    E_A[r, s] = dGA[r, s] * GA_s[r, s]
                 for r, s in T.Parallel(C, C):
-                    CC1_s[r, s] = CC[r, s] * Gam[r, s]
-                add_row_minus_column_sums(E, E_sh, rows, col, dgc_acc)
+                    CC1_s[r, s] = dGA[r, s] * Gam[r, s]
+                row_minus_column_sums(E_A, E_sh, rows_A, col_A, dgc_part, 2)
 
                 # dL = StrictLower(-A^T dA A^T); dbeta += rowsum(dL o K K^T); CC2 <- G = diag(beta) dL
-                T.gemm(A_s, CC1_s, CC, transpose_A=True, clear_accum=True)
-                T.copy(CC, CC2_s)
-                T.gemm(CC2_s, A_s, CC, transpose_B=True, clear_accum=True)
-                T.gemm(K_s, K_s, P, transpose_B=True, clear_accum=True)  # P <- K K^T (P is no longer needed)
+                T.gemm(A_s, CC1_s, dL, transpose_A=True, clear_accum=True)
+                T.copy(dL, CC2_s)
+                T.gemm(CC2_s, A_s, dL, transpose_B=True, clear_accum=True)
+                T.gemm(K_s, K_s, KK, transpose_B=True, clear_accum=True)
                 for r, s in T.Parallel(C, C):
-                    CC[r, s] = T.if_then_else(r > s, -CC[r, s], 0.0)
+                    dL[r, s] = T.if_then_else(r > s, -dL[r, s], 0.0)
                 for r, s in T.Parallel(C, C):
-                    P[r, s] = CC[r, s] * P[r, s]
-                T.reduce_sum(P, rows, dim=1)
+                    KK[r, s] = dL[r, s] * KK[r, s]
+                T.reduce_sum(KK, rows_L, dim=1)
                 for r in T.Parallel(C):
-                    dbeta_acc[r] = dbeta_acc[r] + rows[r]
+                    dbeta_part[1, r] = rows_L[r]
                 for r, s in T.Parallel(C, C):
-                    CC2_s[r, s] = beta_sh[r] * CC[r, s]
+                    CC2_s[r, s] = beta_sh[r] * dL[r, s]
 
                 # dk += (G + G^T) K
-                T.gemm(CC2_s, K_s, acc)
-                T.gemm(CC2_s, K_s, acc, transpose_A=True)
+                T.gemm(CC2_s, K_s, acc_k)
+                T.gemm(CC2_s, K_s, acc_k, transpose_A=True)
 
                 # dVd S^T: dk -= diag(gamma) dVd S^T; dgc -= gamma o rowsum(K o dVd S^T)
-                T.gemm(CD2_s, S_s, tmp, transpose_B=True, clear_accum=True)
+                T.gemm(CD2_s, S_s, dVdS, transpose_B=True, clear_accum=True)
                 for r, j in T.Parallel(C, D):
-                    acc[r, j] = acc[r, j] - gam[r] * tmp[r, j]
+                    acc_k[r, j] = acc_k[r, j] - gam_sh[r] * dVdS[r, j]
                 for r, j in T.Parallel(C, D):
-                    tmp[r, j] = K_s[r, j] * tmp[r, j]
-                T.reduce_sum(tmp, rows, dim=1)
+                    dVdS[r, j] = K_s[r, j] * dVdS[r, j]
+                T.reduce_sum(dVdS, rows_dVd, dim=1)
                 for r in T.Parallel(C):
-                    dgc_acc[r] = dgc_acc[r] - gam[r] * rows[r]
-                T.copy(acc, dO_s)  # dk leaves through dO's tile too
+                    dgc_part[3, r] = -gam_sh[r] * rows_dVd[r]
+                T.copy(acc_k, dO_s)  # dk leaves through dO's tile too
                 store_rows(dO_s, dk, t0, hv, n_rows)
 
                 # gamma_last <S, dS> joins F (both belong to dgc of the last row), in two row halves of S
                 for half in T.serial(2):
                     for r, j in T.Parallel(C, D):
-                        tmp[r, j] = S_s[half * C + r, j] * dS_s[half * C + r, j]
-                    T.reduce_sum(tmp, rows, dim=1)
+                        SdS[r, j] = S_s[half * C + r, j] * dS_s[half * C + r, j]
+                    T.reduce_sum(SdS, rows_SdS, dim=1)
                     for r in T.Parallel(C):
-                        F_sh[r] = F_sh[r] + T.exp2(gc_sh[C - 1]) * rows[r]
+                        dgc_part[4, r] = T.if_then_else(half == 0, 0.0, dgc_part[4, r]) + T.exp2(gc_sh[C - 1]) * rows_SdS[r]
                 Fsum = 0.0
                 for r in T.serial(C):
-                    Fsum = Fsum + F_sh[r]
+                    Fsum = Fsum + F_sh[r] + dgc_part[4, r]
                 # dg = reverse cumsum of dgc over the rows that exist; the last row's sum(F) reaches all
                 for r in T.Parallel(C):
-                    dg_sh[r] = T.if_then_else(r < n_rows, dgc_acc[r], 0.0)
+                    dg_sh[r] = T.if_then_else(r < n_rows, dgc_part[0, r] + dgc_part[1, r] + dgc_part[2, r]
+                                              + dgc_part[3, r] - F_sh[r], 0.0)
                 T.cumsum(src=dg_sh, dst=dg_sh, dim=0, reverse=True)
                 for r in T.Parallel(C):
                     if r < n_rows:
                         dg[hv, t0 + r] = dg_sh[r] + Fsum
-                        dbeta[t0 + r, hv] = dbeta_acc[r]
+                        dbeta[t0 + r, hv] = dbeta_part[0, r] + dbeta_part[1, r]
 
     return chunk_bwd_local
