@@ -42,6 +42,19 @@ def test_segment_chain_tiles_fill_one_wave_then_widen():
     assert launch.chain_block_v(512, sm_count=132) == 16
 
 
+def test_segment_chain_refuses_tilings_that_do_not_fit_one_cta():
+    """16 columns with 8 k groups need more shared memory than an SM90 CTA gets (the kernel would build, then
+    fail at launch); tilings that leave threads without whole output items are refused too."""
+    from flashqla.kernels.hopper.segment_chain import build_segment_chain
+
+    with pytest.raises(ValueError, match="shared memory"):
+        build_segment_chain(16, rows_per_thread=8, k_groups=8)
+    with pytest.raises(ValueError, match="tiling"):
+        build_segment_chain(12)
+    with pytest.raises(ValueError, match="output items"):
+        build_segment_chain(8, rows_per_thread=1, k_groups=8)
+
+
 def test_dispatch_only_chooses_compiled_tile_widths():
     chosen = {launch.block_v_for(n, hv, sm_count=132) for n in (1, 2, 4, 8, 64) for hv in (1, 8, 16, 24, 32, 64)}
     assert chosen <= set(launch.BLOCK_V_CHOICES)
