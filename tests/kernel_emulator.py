@@ -92,7 +92,8 @@ def emulate_chunk_wu(k, v, Ab, gcum, cu, offsets, active, w, u, chunk_slots, sea
     Hv = v.shape[1]
     N = cu.numel() - 1
     # each walk's first chunk as chunk_states reads `active` (a >= 1: from chunk a - 1; 0: not walked)
-    first = torch.where(active.view(2, N, Hv).long() >= 1, active.view(2, N, Hv).long() - 1, chunk_slots).amin(0)
+    walks = active.view(2, N, Hv).long()
+    first = torch.where(walks >= 1, walks - 1, chunk_slots).amin(0)
     hk = _qk_heads(k.shape[1], Hv)
     for n, c, t0, rows in _chunks(cu):
         gamma = _gates(gcum, t0, rows)[1]

@@ -326,15 +326,16 @@ def chain_block_v(num_chains: int, sm_count: int) -> int:
     return CHAIN_BLOCK_V_CHOICES[-1]
 
 
-def fold_segments(out, bias, mats, mask, first_rows, last_rows, reverse: bool):
+def fold_segments(out, bias, mats, mask, first_rows, last_rows, reverse: bool, block_v: int | None = None):
     """The chain over segments in one `segment_chain` launch, in place on `out` (fp32 [rows, Hv, 128, 128];
     first rows (forward) or last rows (reverse) of every sequence set):
     forward out[r] = bias[r-1] + mask[r] mats[r-1] out[r-1]; reverse out[r] = bias[r+1] + mask[r]
     mats[r+1]^T out[r+1]. bias, mats fp32 like out; mask fp32 [rows, Hv]; first_rows, last_rows int32
-    [sequences]."""
+    [sequences]. block_v: the V tile (one of CHAIN_BLOCK_V_CHOICES; None: `chain_block_v`'s choice)."""
     rows, Hv = mask.shape
     flat = lambda t: t.view(rows * Hv, HEAD_DIM, HEAD_DIM)  # noqa: E731
-    block_v = chain_block_v(first_rows.numel() * Hv, _sm_count_on(out.device))
+    if block_v is None:
+        block_v = chain_block_v(first_rows.numel() * Hv, _sm_count_on(out.device))
     compiled_segment_chain(block_v)(flat(out), flat(bias), flat(mats), mask.reshape(-1), first_rows, last_rows, Hv,
                              int(reverse))
     return out

@@ -78,6 +78,18 @@ def build_segment_chain(block_v: int, rows_per_thread: int = ROWS_PER_THREAD, k_
         return T.if_then_else(step < steps, mask[row * num_heads + h], 0.0)
 
     @T.macro
+    def load_matrix(mats, M_s, num_heads, reverse, h, first, last, step):
+        """Step `step`'s matrix into its buffer (cp.async, one commit group)."""
+        T.async_copy(mats[source_of(num_heads, reverse, h, first, last, step), 0:D, 0:D], M_s[step % 2, 0:D, 0:D])
+
+    @T.macro
+    def load_bias(bias, B_s, num_heads, reverse, h, v0, first, last, steps, step):
+        """Step `step`'s bias tile into its buffer (cp.async, one commit group); past the last step a repeat
+        of the last one, so that every step commits a group."""
+        src = source_of(num_heads, reverse, h, first, last, T.min(step, steps - 1))
+        T.async_copy(bias[src, 0:D, v0:v0 + BV], B_s[step % BIAS_STAGES, 0:D, 0:BV])
+
+    @T.macro
     def load_mask_block(mask, mask_s, num_heads, reverse, h, first, last, steps, block):
         """The mask values of steps block * MASK_BLOCK .. + MASK_BLOCK - 1 into their slot of mask_s: one
         load round trip per MASK_BLOCK steps instead of one before every prefetch."""
@@ -125,10 +137,9 @@ def build_segment_chain(block_v: int, rows_per_thread: int = ROWS_PER_THREAD, k_
             # "all but the newest group landed" is what a step waits for
             if steps > 0:
                 if mask_s[0] != 0:
-                    T.async_copy(mats[source_of(num_heads, reverse, h, first, last, 0), 0:D, 0:D], M_s[0, 0:D, 0:D])
+                    load_matrix(mats, M_s, num_heads, reverse, h, first, last, 0)
                 for b in T.unroll(BIAS_STAGES - 1):
-                    src = source_of(num_heads, reverse, h, first, last, T.min(b, steps - 1))
-                    T.async_copy(bias[src, 0:D, v0:v0 + BV], B_s[b, 0:D, 0:BV])
+                    load_bias(bias, B_s, num_heads, reverse, h, v0, first, last, steps, b)
             for step in T.serial(steps):
                 row = row_of(reverse, first, last, step)
                 T.ptx_wait_group(1)
@@ -137,14 +148,10 @@ def build_segment_chain(block_v: int, rows_per_thread: int = ROWS_PER_THREAD, k_
                 if step % MASK_BLOCK == 0:  # the next block of masks, into the slot of the previous one
                     load_mask_block(mask, mask_s, num_heads, reverse, h, first, last, steps, step // MASK_BLOCK + 1)
                 # into the buffers the previous step read: the next step's matrix where its mask is not 0,
-                # and the bias tile BIAS_STAGES - 1 steps ahead (past the last step a repeat of the last one,
-                # so that every step adds a group)
+                # and the bias tile BIAS_STAGES - 1 steps ahead
                 if mask_s[(step + 1) % (2 * MASK_BLOCK)] != 0:
-                    src = source_of(num_heads, reverse, h, first, last, step + 1)
-                    T.async_copy(mats[src, 0:D, 0:D], M_s[(step + 1) % 2, 0:D, 0:D])
-                ahead = step + BIAS_STAGES - 1
-                src = source_of(num_heads, reverse, h, first, last, T.min(ahead, steps - 1))
-                T.async_copy(bias[src, 0:D, v0:v0 + BV], B_s[ahead % BIAS_STAGES, 0:D, 0:BV])
+                    load_matrix(mats, M_s, num_heads, reverse, h, first, last, step + 1)
+                load_bias(bias, B_s, num_heads, reverse, h, v0, first, last, steps, step + BIAS_STAGES - 1)
                 if scale != 0:
                     for r in T.unroll(RT):
                         for c in T.unroll(BV):

@@ -72,8 +72,8 @@ def test_segment_chain_kernel_matches_the_float64_fold(reverse, block_v):
     """The one-launch chain over segments (a pack: 5 rows, 1 row, 3 rows, 600 rows, so that the kernel
     reads its masks in more than two blocks; some masks 0) against the same fold in float64, row by row;
     fp32 products on CUDA cores keep it within fp32 rounding. block_v None: the tile `fold_segments`
-    chooses; 8 and 16: each compiled tile, launched directly."""
-    from flashqla.kernels.hopper import fold_segments, launch
+    chooses; 8 and 16: each compiled tile, forced."""
+    from flashqla.kernels.hopper import fold_segments
 
     gen = torch.Generator(device="cuda").manual_seed(11)
     rows, heads = 609, 3
@@ -92,13 +92,7 @@ def test_segment_chain_kernel_matches_the_float64_fold(reverse, block_v):
             M = mats[src].double().transpose(-1, -2) if reverse else mats[src].double()
             want[r] = bias[src].double() + mask[r].double()[:, None, None] * (M @ want[src])
     as_int = lambda xs: torch.tensor(xs, dtype=torch.int32, device="cuda")  # noqa: E731
-    if block_v is None:
-        got = fold_segments(out, bias, mats, mask, as_int(first), as_int(last), reverse)
-    else:
-        flat = lambda t: t.view(rows * heads, D, D)  # noqa: E731
-        launch.compiled_segment_chain(block_v)(flat(out), flat(bias), flat(mats), mask.reshape(-1), as_int(first),
-                                               as_int(last), heads, int(reverse))
-        got = out
+    got = fold_segments(out, bias, mats, mask, as_int(first), as_int(last), reverse, block_v=block_v)
     assert not got.isnan().any()
     assert rel_err(got, want) <= 1e-5, rel_err(got, want)
 
