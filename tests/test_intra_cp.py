@@ -193,16 +193,11 @@ class TorchKernels:
                               reverse)
         return out
 
-    fused = False
-
-    def use_fused(self, num_seqs, num_v_heads):
-        return self.fused
-
     def fused_forward(self, x, v, h0, scale, store_final):
         return self._forward(x, v, scale, h0, store_final)
 
 
-def composed(args, cu, segment_chunks, cp_warmup, fused=None, kernels=None):
+def composed(args, cu, segment_chunks, cp_warmup, fused=True, kernels=None):
     from flashqla.cp.segments import segmented_forward
     from flashqla.ops import torch_backend
 

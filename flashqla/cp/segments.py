@@ -11,8 +11,8 @@ A segment is a shorter sequence with its own initial state. After one `wy_invers
    head takes the M term only when the previous segment's summed log-decay stays above `cp_warmup`;
    elsewhere S*_{j-1} is the warmup state, the walk of only the last chunks of segment j-1 whose gates
    sum below `cp_warmup`, from zero (the neglected term is below e^cp_warmup of the state it multiplies);
-3. the walk from every S_{j,0}: `fused_fwd` (outputs in the walk) when segments x heads fill the GPU
-   (`launch.use_fused`), else the state walk storing the per-chunk states, then `chunk_output`.
+3. the walk from every S_{j,0}: `fused_fwd` (outputs in the walk; `fused=False`: the state walk storing the
+   per-chunk states, then `chunk_output`, the split decomposition the tests compare).
 
 Steps 1 and 3 run segments x heads x V tiles CTAs instead of sequences x heads x V tiles: that is the
 parallelism CP buys for few long sequences. The backward (`segmented_backward`) mirrors it: the same
@@ -194,16 +194,14 @@ class ForwardSummaries:
 
 
 def forward_summaries(hopper, q, k, v, g, beta, plan: SegmentPlan, cp_warmup, has_h0: bool,
-                      dht_given: bool | None = None, leaving: bool = False, fused=None) -> ForwardSummaries:
+                      dht_given: bool | None = None, leaving: bool = False, fused=True) -> ForwardSummaries:
     """The first half of `segmented_forward`: everything that does not read the initial states (the
     WY inverse and the summary launch), so inter-card CP runs it while the states are on their way.
     has_h0: an initial state will be given; dht_given, leaving: as `_summaries_needed` (dht_given None:
-    no backward); fused: the last walk's kernel (None: by the dispatch rule)."""
+    no backward); fused: the last walk's kernel (fused_fwd, or the split walk and output)."""
     idx = _plan_tensors(plan, q.shape[0] * q.shape[1], q.device)
     # segments start on chunk boundaries of their sequence, so they chunk exactly like the sequences
     packed = _packed(idx, q, k, v, g, beta)
-    if fused is None:
-        fused = hopper.use_fused(idx.has_next.numel(), v.shape[2])
     # a fused last walk reads no W and U: the summary launch then computes them where its walks read them
     x = hopper.prepare(*packed, idx.cu, chunk_offsets=idx.chunk_offsets, walk_operands=not fused)
     summaries = _segment_summaries(hopper, x, idx, cp_warmup, has_h0, dht_given, leaving)
@@ -244,12 +242,12 @@ def forward_from_summaries(hopper, summ: ForwardSummaries, scale, initial_state,
 
 
 def segmented_forward(hopper, q, k, v, g, beta, scale, initial_state, output_final_state, plan: SegmentPlan,
-                      cp_warmup, fused=None, with_starts=False):
+                      cp_warmup, fused=True, with_starts=False):
     """Intra-card CP on the TileLang kernels (`hopper` = flashqla.kernels.hopper); returns what the
     unsegmented forward would return, (o, final_state), and with_starts the segments' (S_{j,0}, M, exact)
     for `segmented_backward` (fp32 [rows, Hv, 128, 128] twice: small next to the activations, and the
-    backward then skips the summary launch and the chain). fused: the final walk's kernel (None: by the
-    dispatch rule)."""
+    backward then skips the summary launch and the chain). fused: the final walk's kernel (fused_fwd, or
+    the split walk and output)."""
     # kept for the backward: with the M its mirror scan reads (a final-state gradient exists only when
     # the final state is returned)
     summ = forward_summaries(hopper, q, k, v, g, beta, plan, cp_warmup, initial_state is not None,

@@ -23,10 +23,10 @@ import torch
 from .backward import (backward_of, chunk_gdn_bwd, entering_state_gradients, output_gradient,
                        state_gradients)
 from .launch import (HEAD_DIM, block_v_for, chunk_gdn_fwd, fold_segments, fused_forward, output, prepare, summaries,
-                     use_fused, walk)
+                     walk)
 
 __all__ = ["unsupported_reason", "chunk_gdn_fwd", "chunk_gdn_bwd", "block_v_for", "prepare", "walk", "summaries",
-           "output", "fused_forward", "use_fused", "fold_segments", "state_gradients", "backward_of",
+           "output", "fused_forward", "fold_segments", "state_gradients", "backward_of",
            "output_gradient", "entering_state_gradients"]
 
 _DTYPES = (torch.bfloat16, torch.float16)

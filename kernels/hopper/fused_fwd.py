@@ -1,140 +1,148 @@
-"""Fused GDN forward: one CTA per (V tile, sequence, v-head) walks the chunks of its sequence.
+"""Fused GDN forward, warp-specialised: one CTA per (V tile, sequence, v-head) walks its sequence's chunks.
 
-Per 64-token chunk, with the state S [128 x block_v] kept in fp32 fragments (design doc §2):
+Per 64-token chunk, with the state S [128 x block_v] kept in fp32 registers (design doc §2):
 
     KS = K S,  QS = Q S,  P = Q K^T                                    (tensor cores, bf16/fp16 in, fp32 out)
     Vd = V - diag(gamma) KS                                            ("V delta")
     V' = Ab Vd                      with Ab = Gamma o (A diag(beta)) from wy_inverse (gate mask included)
-    O  = scale * (diag(gamma) QS + (Lower(Gamma) o P) V')
+    O  = scale (diag(gamma) QS + (Lower(Gamma) o P) V')
     S  = gamma_last S + K^T diag(gamma_last / gamma) V'
 
-Only O and the final state leave the kernel. g is natural log: the chunk-local cumsum `gcum` from
-wy_inverse is multiplied by log2(e) once when it is loaded, and every decay is then exp2 of a difference
-of those base-2 cumulative gates (each difference is <= 0, so no factor exceeds 1). The per-row decays
-gamma and gamma_last / gamma live in per-row fragments (two rows per thread), gamma_last in a register.
+Only O and the final state leave the kernel. Every column of S, V' and O depends on the same column of V
+only, so the walk splits by columns without any exchange between the halves.
 
-Rows past the end of a sequence: K rows are zeroed after they land (they cannot touch S), gcum rows
-repeat the last valid row (so gamma_last is the gate at the last token and no exp2 argument is positive),
-Q/V/Ab rows hold whatever follows (the next sequence, or zeros past the tensor end: finite values) and
-only reach rows of O that are not stored and rows of V' that meet zero rows of K.
+Roles (512 threads, four warpgroups; `T.set_max_nreg` moves registers from the producer to the others):
+  | warpgroup | holds                               | per chunk                                          |
+  | 0, 1      | half of S's columns each (fp32)     | KS, Vd, V' (to shared memory for the output), the  |
+  | (chain)   |                                     | decay and K^T (gamma_last / gamma) V' update, S to |
+  |           |                                     | shared memory (bf16) for the next chunk's products |
+  | 2 (output)| O (both halves) and P               | P = Q K^T and its mask, QS from the chain's S,     |
+  |           |                                     | O = gamma QS + P V' from the chain's V'            |
+  | 3         | warp 0: loader; warps 1-2: O store  | TMA loads of Q, K, V, Ab and the gates of chunk    |
+  |           | (block_v < 128)                     | c + 1 into the other stage; O rows to global       |
+The chain warpgroups never wait for each other: each owns its columns from the load of the chunk to the
+state update, so a step of the serial walk is three products of one warpgroup (K S, Ab Vd, K^T V') and no
+hand-off. The output warpgroup runs beside them, half a chunk behind. mbarriers (arrive counts in the
+allocations) carry every hand-off, with phase parity c % 2 (stages: (c // 2) % 2):
+    ready[s]   loader -> all      stage s holds chunk c (TMA bytes + the loader warp's gate stores)
+    free[s]    all -> loader      every consumer is done with stage s
+    s_ready    chain -> output    S entering chunk c is in S_sh0 / S_sh1
+    s_read     output -> chain    QS of chunk c is done: S_sh may take the next state
+    vn_ready   chain -> output    V' of chunk c is in Vn_sh0 / Vn_sh1
+    vn_free    output -> chain    P V' of chunk c is done: Vn_sh may take the next V'
+    o_ready / o_free              output <-> store warps over O_sh (block_v < 128)
+No barrier can complete a phase twice before its waiters pass it: every producer of a phase first waits
+for the consumer's acknowledgement of the previous one. A `fence.proxy.async` follows every register ->
+shared write that a tensor-core product reads.
 
-Schedule (256 threads = two warpgroups, both consumers; one serial loop over chunks, two smem stages):
-  | step | work                                                                  | unit            |
-  | 1    | cp.async Q, K (k-head h // group), V tile, Ab, gcum of chunk c + 1     | LSU -> smem     |
-  |      | into the other stage; wait for chunk c's five groups                   |                 |
-  | 2    | issue KS = K S, QS = Q S, P = Q K^T; meanwhile the row decays          | WGMMA, CUDA     |
-  | 3    | (KS landed) Vd = V - gamma KS -> smem (stmatrix)                       | CUDA cores      |
-  | 4    | issue V' = Ab Vd; meanwhile (QS, P landed) Pm = Lower(Gamma) o P,      | WGMMA, CUDA     |
-  |      | gamma QS, gamma_last S; (V' landed) V', (gamma_last / gamma) V' -> smem |                 |
-  | 5    | issue S += K^T (gamma_last / gamma) V' and O = gamma QS + Pm V';       | WGMMA           |
-  |      | (S landed) S -> smem (bf16); (O landed) scale O -> smem -> 16-byte     | LSU             |
-  |      | row stores                                                             |                 |
-The products are asynchronous WGMMA (`T.wgmma_gemm`, waited for with `T.wait_wgmma`, oldest first), so
-what is off the walk's serial chain (K S -> V' -> S) runs beside it: H200, 2026-12-01, whole forward
-2.34 -> 2.17 ms at (16, 32) x 32K x 1 sequence (block_v 32), 0.61 -> 0.56 at (4, 8) x 32K x 4, level at
-block_v 64 and 128 (docs/benchmarks.md, eleventh session). The gate mask of Ab moved to wy_inverse, the
-row decays computed once per row instead of per element (192 exp2 per thread and chunk in the
-generated code, now 21) and the tiles leaving through stmatrix / 16-byte stores: with the same changes in
-the walks, the public op's forward 1.15-1.35x faster on issue #3's configs (2.33 -> 1.94 ms at (16, 64) x
-8K x 4, 0.425 -> 0.315 at (2, 8) x 4K x 8; docs/kernels.md and docs/benchmarks.md, twelfth session).
-A warp-specialised producer/consumer version (TMA + mbarriers) is future work.
+Why this split, measured on the H200 against the previous kernel (two warpgroups sharing every product,
+cp.async double buffer) on the same inputs, fused walk alone, 2026-12-01: (16, 64) x 8K x 4 (block_v 128)
+1104 -> 1032 us, (16, 32) x 32K x 8 4307 -> 4074, (2, 8) x 4K x 8 (64) 200 -> 155, (2, 8) x 32K x 1 (32)
+1142 -> 900. A split by role instead (one warpgroup holding all of S, one computing V', one O: each product
+on a single warpgroup and two hand-offs on the serial chain) was 0.88-0.90x the previous kernel at
+block_v 128. Without any output work the chain warpgroups alone take 770 us at (16, 64) x 8K x 4, so the
+output warpgroup (2M of the 4.5M MACs per chunk, the mask, the store) sets the pace there.
+
+O leaves through O_sh and 16-byte row stores; at block_v < 128 two producer warps store it (the output
+warpgroup only writes O_sh), which measured 183 -> 155 us at block_v 64 and 930 -> 900 at 32 but 1032 ->
+1431 at 128, where the output warpgroup stores it itself.
+
+Gates: the loader stores the chunk's gates in base 2 (gcum x log2 e), rows past the sequence end repeating
+its last token, so no exp2 argument is positive and gamma_last is row C - 1. Rows past the end of a
+sequence are loaded as they are (the next sequence's tokens, or TMA's zero fill past the tensor end:
+finite); they reach only rows of V' and O that are not stored, except through the state update, where
+gamma_last / gamma is set to 0 for them.
+
+TileLang notes: the explicit named barriers (one warpgroup) use ids 8-10 because TileLang's own partial
+barriers in warp-specialised branches take ids from 3 upwards; fragments are allocated per role (a
+fragment's layout is inferred for the threads of the branch that uses it).
 """
-import tilelang
 import tilelang.language as T
 
 CHUNK = 64
 HEAD_DIM = 128
 LOG2E = 1.4426950408889634
+WARPGROUP = 128
+CHAIN_REGS, OUTPUT_REGS, PRODUCER_REGS = 168, 136, 40  # 2 x 168 + 136 + 40 = 512 per thread of a warpgroup
+CHAIN_BARRIERS = (8, 9)
+OUTPUT_BARRIER = 10
 
 
-def build_fused_fwd(dtype: str, block_v: int, threads: int = 256):
+def build_fused_fwd(dtype: str, block_v: int):
     """Build the prim_func for q/k/v dtype `dtype` and V tile width `block_v`; all sizes are dynamic.
 
     `scale` and the two flags are runtime arguments, so new values never recompile. States are passed
     flattened to [N * Hv, 128, 128]; a [1, 128, 128] dummy stands in when a flag is 0.
     """
-    if HEAD_DIM % block_v:
-        raise ValueError(f"block_v must divide {HEAD_DIM}, got {block_v}")
+    if HEAD_DIM % block_v or block_v % 32:
+        raise ValueError(f"block_v must be a multiple of 32 dividing {HEAD_DIM}, got {block_v}")
     num_tokens = T.dynamic("num_tokens")
     num_qk_heads = T.dynamic("num_qk_heads")
     num_v_heads = T.dynamic("num_v_heads")
     num_seqs = T.dynamic("num_seqs")
     num_h0 = T.dynamic("num_h0")
     num_ht = T.dynamic("num_ht")
-    C, D, BV = CHUNK, HEAD_DIM, block_v
+    C, D, BV, WG = CHUNK, HEAD_DIM, block_v, WARPGROUP
+    H = BV // 2  # columns per chain warpgroup
+    store_by_producer = BV < 128
 
     @T.macro
-    def load_chunk(q, k, v, Ab, gcum, t0, hk, h, v0, Q_s, K_s, V_s, Ab_s, graw_s):
-        """Step 1: cp.async the chunk starting at token t0 into one stage (five commit groups)."""
-        T.async_copy(q[t0:t0 + C, hk, 0:D], Q_s)
-        T.async_copy(k[t0:t0 + C, hk, 0:D], K_s)
-        T.async_copy(v[t0:t0 + C, h, v0:v0 + BV], V_s)
-        T.async_copy(Ab[t0:t0 + C, h, 0:C], Ab_s)
-        T.async_copy(gcum[h, t0:t0 + C], graw_s)
-
-    @T.macro
-    def chunk_step(o, t0, n_rows, h, v0, scale, Q_s, K_s, V_s, Ab_s, graw_s, gc_sh, S_sh, P_sh,
-                   Vd_sh, Vn_sh, Vs_sh, O_sh, S, KS, O, P, Vn, gam, tail, decay):
-        """Steps 2-6 on one stage whose loads have landed."""
-        # rows past the sequence end: zero keys, gates repeat the last valid row (base 2)
-        if n_rows < C:
-            for r, d in T.Parallel(C, D):
-                if r >= n_rows:
-                    K_s[r, d] = T.cast(0, dtype)
-        for r in T.Parallel(C):
-            gc_sh[r] = graw_s[T.min(r, n_rows - 1)] * LOG2E
-
-        # 2. the products with the incoming state and the scores, issued together (asynchronous WGMMA);
-        # KS is on the walk's critical path and is waited for first, QS and P later. The per-row decays
-        # gamma, gamma_last / gamma and gamma_last are formed once while they run
-        T.wgmma_gemm(K_s, S_sh, KS, clear_accum=True)
-        T.wgmma_gemm(Q_s, S_sh, O, clear_accum=True)
-        T.wgmma_gemm(Q_s, K_s, P, transpose_B=True, clear_accum=True)
-        for r in T.Parallel(C):
-            gam[r] = T.exp2(gc_sh[r])
-            tail[r] = T.exp2(gc_sh[C - 1] - gc_sh[r])
-        decay = T.exp2(gc_sh[C - 1])
-        T.wait_wgmma(2)
-        T.warpgroup_fence_operand(KS, num_regs=C * BV // threads)
-        for r, j in T.Parallel(C, BV):
-            KS[r, j] = V_s[r, j] - gam[r] * KS[r, j]
-        T.copy(KS, Vd_sh)
-        T.sync_threads()
-
-        # 4. V' = Ab Vd (Ab carries its gate mask from wy_inverse); meanwhile the score mask, gamma on QS,
-        # gamma_last on S
-        T.wgmma_gemm(Ab_s, Vd_sh, Vn, clear_accum=True)
-        T.wait_wgmma(1)
-        T.warpgroup_fence_operand(O, num_regs=C * BV // threads)
-        T.warpgroup_fence_operand(P, num_regs=C * C // threads)
-        for r, s in T.Parallel(C, C):
-            P[r, s] = T.if_then_else(r >= s, P[r, s] * T.exp2(gc_sh[r] - gc_sh[s]), 0.0)
-        T.copy(P, P_sh)
-        for r, j in T.Parallel(C, BV):
-            O[r, j] = O[r, j] * gam[r]
-        for i, j in T.Parallel(D, BV):
-            S[i, j] = S[i, j] * decay
-        T.wait_wgmma(0)
-        T.warpgroup_fence_operand(Vn, num_regs=C * BV // threads)
-        T.copy(Vn, Vn_sh)
-        for r, j in T.Parallel(C, BV):
-            Vn[r, j] = Vn[r, j] * tail[r]
-        T.copy(Vn, Vs_sh)
-        T.sync_threads()
-
-        # 5-6. the state update (critical path) and O = scale (gamma QS + Pm V'), issued together; O leaves
-        # through its own shared tile, 16 bytes per thread and store
-        T.wgmma_gemm(K_s, Vs_sh, S, transpose_A=True)
-        T.wgmma_gemm(P_sh, Vn_sh, O)
-        T.wait_wgmma(1)
-        T.warpgroup_fence_operand(S, num_regs=D * BV // threads)
+    def chain(half, barrier_id, v0, n_chunks, seq_len, state_row, h0, ht, use_h0, store_ht, K_s, V_s, Ab_s, g_s,
+              S_sh, Vd_sh, Vn_sh, S, KS, Vn, gam, tail, decay, ready, free, s_ready, s_read, vn_ready, vn_free):
+        """Chain warpgroup `half`: columns v0 + half * H .. + H of S and V', chunk after chunk."""
+        col0 = v0 + half * H
+        T.set_max_nreg(CHAIN_REGS, 1)
+        if use_h0 != 0:
+            T.copy(h0[state_row, 0:D, col0:col0 + H], S)
+        else:
+            T.clear(S)
         T.copy(S, S_sh)
-        T.wait_wgmma(0)
-        T.warpgroup_fence_operand(O, num_regs=C * BV // threads)
-        for r, j in T.Parallel(C, BV):
-            O[r, j] = O[r, j] * scale
-        T.copy(O, O_sh)
-        T.sync_threads()
+        T.fence_proxy_async()
+        T.barrier_arrive(s_ready)
+        for c in T.serial(n_chunks):
+            stage = c % 2
+            n_rows = T.min(C, seq_len - c * C)
+            T.barrier_wait(ready[stage], (c // 2) % 2)
+            T.sync_threads(barrier_id, WG)  # this warpgroup's S_sh stores are fenced before K S reads them
+            T.wgmma_gemm(K_s[stage, :, :], S_sh, KS, clear_accum=True)
+            for r in T.Parallel(C):  # meanwhile the row decays and gamma_last S
+                gam[r] = T.exp2(g_s[stage, r])
+                tail[r] = T.if_then_else(r < n_rows, T.exp2(g_s[stage, C - 1] - g_s[stage, r]), 0.0)
+            decay = T.exp2(g_s[stage, C - 1])
+            for i, j in T.Parallel(D, H):
+                S[i, j] = S[i, j] * decay
+            T.wait_wgmma(0)
+            T.warpgroup_fence_operand(KS, num_regs=C * H // WG)
+            for r, j in T.Parallel(C, H):
+                KS[r, j] = V_s[stage, r, half * H + j] - gam[r] * KS[r, j]  # Vd
+            T.copy(KS, Vd_sh)
+            T.fence_proxy_async()
+            T.sync_threads(barrier_id, WG)
+            T.wgmma_gemm(Ab_s[stage, :, :], Vd_sh, Vn, clear_accum=True)
+            T.wait_wgmma(0)
+            T.warpgroup_fence_operand(Vn, num_regs=C * H // WG)
+            T.barrier_wait(vn_free, (c + 1) % 2)
+            T.copy(Vn, Vn_sh)
+            T.fence_proxy_async()
+            T.barrier_arrive(vn_ready)
+            for r, j in T.Parallel(C, H):
+                Vn[r, j] = Vn[r, j] * tail[r]
+            T.copy(Vn, Vd_sh)  # (gamma_last / gamma) V' over Vd, which the V' product has read
+            T.fence_proxy_async()
+            T.sync_threads(barrier_id, WG)
+            T.wgmma_gemm(K_s[stage, :, :], Vd_sh, S, transpose_A=True)
+            T.wait_wgmma(0)
+            T.warpgroup_fence_operand(S, num_regs=D * H // WG)
+            T.barrier_arrive(free[stage])
+            T.barrier_wait(s_read, c % 2)
+            T.copy(S, S_sh)
+            T.fence_proxy_async()
+            T.barrier_arrive(s_ready)
+        if store_ht != 0:
+            T.copy(S, ht[state_row, 0:D, col0:col0 + H])
+
+    @T.macro
+    def store_rows(o, O_sh, t0, h, v0, n_rows):
         for r, j in T.Parallel(C, BV):
             if r < n_rows:
                 o[t0 + r, h, v0 + j] = O_sh[r, j]
@@ -154,71 +162,118 @@ def build_fused_fwd(dtype: str, block_v: int, threads: int = 256):
         use_h0: T.int32,
         store_ht: T.int32,
     ):
-        with T.Kernel(D // BV, num_seqs, num_v_heads, threads=threads) as (bv, n, h):
-            hk = T.alloc_var("int32")
-            bos = T.alloc_var("int32")
-            eos = T.alloc_var("int32")
+        with T.Kernel(D // BV, num_seqs, num_v_heads, threads=4 * WG) as (bv, n, h):
             hk = h // (num_v_heads // num_qk_heads)
             bos = cu_seqlens[n]
-            eos = cu_seqlens[n + 1]
+            seq_len = cu_seqlens[n + 1] - bos
             v0 = bv * BV
             state_row = n * num_v_heads + h
-            num_chunks = T.ceildiv(eos - bos, C)
+            n_chunks = T.ceildiv(seq_len, C)
 
-            # two stages of chunk inputs: chunk c + 1 lands in one while chunk c computes from the other
-            Q0, Q1 = T.alloc_shared((C, D), dtype), T.alloc_shared((C, D), dtype)
-            K0, K1 = T.alloc_shared((C, D), dtype), T.alloc_shared((C, D), dtype)
-            V0, V1 = T.alloc_shared((C, BV), dtype), T.alloc_shared((C, BV), dtype)
-            Ab0, Ab1 = T.alloc_shared((C, C), dtype), T.alloc_shared((C, C), dtype)
-            graw0, graw1 = T.alloc_shared((C,), "float32"), T.alloc_shared((C,), "float32")
-            gc_sh = T.alloc_shared((C,), "float32")
-            S_sh = T.alloc_shared((D, BV), dtype)
+            # two stages of chunk inputs (TMA), the chain's hand-offs to the output, O on its way out
+            Q_s = T.alloc_shared((2, C, D), dtype)
+            K_s = T.alloc_shared((2, C, D), dtype)
+            V_s = T.alloc_shared((2, C, BV), dtype)
+            Ab_s = T.alloc_shared((2, C, C), dtype)
+            g_s = T.alloc_shared((2, C), "float32")  # base-2 gates
+            S_sh0, S_sh1 = T.alloc_shared((D, H), dtype), T.alloc_shared((D, H), dtype)
+            Vd_sh0, Vd_sh1 = T.alloc_shared((C, H), dtype), T.alloc_shared((C, H), dtype)
+            Vn_sh0, Vn_sh1 = T.alloc_shared((C, H), dtype), T.alloc_shared((C, H), dtype)
             P_sh = T.alloc_shared((C, C), dtype)
-            Vd_sh = T.alloc_shared((C, BV), dtype)
-            Vn_sh = T.alloc_shared((C, BV), dtype)
-            Vs_sh = T.alloc_shared((C, BV), dtype)
             O_sh = T.alloc_shared((C, BV), dtype)
 
-            S = T.alloc_fragment((D, BV), "float32")
-            KS = T.alloc_fragment((C, BV), "float32")
-            O = T.alloc_fragment((C, BV), "float32")
+            S0, S1 = T.alloc_fragment((D, H), "float32"), T.alloc_fragment((D, H), "float32")
+            KS0, KS1 = T.alloc_fragment((C, H), "float32"), T.alloc_fragment((C, H), "float32")
+            Vn0, Vn1 = T.alloc_fragment((C, H), "float32"), T.alloc_fragment((C, H), "float32")
+            gam0, gam1 = T.alloc_fragment((C,), "float32"), T.alloc_fragment((C,), "float32")
+            tail0, tail1 = T.alloc_fragment((C,), "float32"), T.alloc_fragment((C,), "float32")
+            decay0, decay1 = T.alloc_var("float32"), T.alloc_var("float32")
+            O0, O1 = T.alloc_fragment((C, H), "float32"), T.alloc_fragment((C, H), "float32")
             P = T.alloc_fragment((C, C), "float32")
-            Vn = T.alloc_fragment((C, BV), "float32")
-            gam = T.alloc_fragment((C,), "float32")
-            tail = T.alloc_fragment((C,), "float32")
-            decay = T.alloc_var("float32")
+            gam_o = T.alloc_fragment((C,), "float32")  # scale gamma of each row
 
-            if use_h0 != 0:
-                T.copy(h0[state_row, 0:D, v0:v0 + BV], S)
+            ready = T.alloc_barrier(arrive_count=[32, 32])  # the loader warp (and the TMA bytes)
+            free = T.alloc_barrier(arrive_count=[3 * WG, 3 * WG])
+            s_ready = T.alloc_barrier(arrive_count=2 * WG)
+            s_read = T.alloc_barrier(arrive_count=WG)
+            vn_ready = T.alloc_barrier(arrive_count=2 * WG)
+            vn_free = T.alloc_barrier(arrive_count=WG)
+            o_ready = T.alloc_barrier(arrive_count=WG)
+            o_free = T.alloc_barrier(arrive_count=64)
+
+            tx = T.get_thread_binding()
+            if tx < WG:
+                chain(0, CHAIN_BARRIERS[0], v0, n_chunks, seq_len, state_row, h0, ht, use_h0, store_ht, K_s, V_s,
+                      Ab_s, g_s, S_sh0, Vd_sh0, Vn_sh0, S0, KS0, Vn0, gam0, tail0, decay0, ready, free, s_ready,
+                      s_read, vn_ready, vn_free)
+            elif tx < 2 * WG:
+                chain(1, CHAIN_BARRIERS[1], v0, n_chunks, seq_len, state_row, h0, ht, use_h0, store_ht, K_s, V_s,
+                      Ab_s, g_s, S_sh1, Vd_sh1, Vn_sh1, S1, KS1, Vn1, gam1, tail1, decay1, ready, free, s_ready,
+                      s_read, vn_ready, vn_free)
+            elif tx < 3 * WG:  # output
+                T.set_max_nreg(OUTPUT_REGS, 1)
+                for c in T.serial(n_chunks):
+                    stage = c % 2
+                    t0 = bos + c * C
+                    n_rows = T.min(C, seq_len - c * C)
+                    T.barrier_wait(ready[stage], (c // 2) % 2)
+                    T.wgmma_gemm(Q_s[stage, :, :], K_s[stage, :, :], P, transpose_B=True, clear_accum=True)
+                    T.barrier_wait(s_ready, c % 2)
+                    T.wgmma_gemm(Q_s[stage, :, :], S_sh0, O0, clear_accum=True)
+                    T.wgmma_gemm(Q_s[stage, :, :], S_sh1, O1, clear_accum=True)
+                    for r in T.Parallel(C):
+                        gam_o[r] = T.exp2(g_s[stage, r]) * scale
+                    T.wait_wgmma(2)
+                    T.warpgroup_fence_operand(P, num_regs=C * C // WG)
+                    for r, s in T.Parallel(C, C):
+                        P[r, s] = T.if_then_else(r >= s, P[r, s] * T.exp2(g_s[stage, r] - g_s[stage, s]) * scale, 0.0)
+                    T.copy(P, P_sh)
+                    T.fence_proxy_async()
+                    T.wait_wgmma(0)
+                    T.warpgroup_fence_operand(O0, num_regs=C * H // WG)
+                    T.warpgroup_fence_operand(O1, num_regs=C * H // WG)
+                    T.barrier_arrive(s_read)
+                    for r, j in T.Parallel(C, H):
+                        O0[r, j] = O0[r, j] * gam_o[r]
+                    for r, j in T.Parallel(C, H):
+                        O1[r, j] = O1[r, j] * gam_o[r]
+                    T.sync_threads(OUTPUT_BARRIER, WG)  # every thread's P_sh rows before the product
+                    T.barrier_wait(vn_ready, c % 2)
+                    T.wgmma_gemm(P_sh, Vn_sh0, O0)
+                    T.wgmma_gemm(P_sh, Vn_sh1, O1)
+                    T.wait_wgmma(0)
+                    T.warpgroup_fence_operand(O0, num_regs=C * H // WG)
+                    T.warpgroup_fence_operand(O1, num_regs=C * H // WG)
+                    T.barrier_arrive(vn_free)
+                    T.barrier_arrive(free[stage])
+                    if store_by_producer:
+                        T.barrier_wait(o_free, (c + 1) % 2)
+                    T.copy(O0, O_sh[0:C, 0:H])
+                    T.copy(O1, O_sh[0:C, H:BV])
+                    if store_by_producer:
+                        T.barrier_arrive(o_ready)
+                    else:
+                        T.sync_threads(OUTPUT_BARRIER, WG)
+                        store_rows(o, O_sh, t0, h, v0, n_rows)
             else:
-                T.clear(S)
-            T.copy(S, S_sh)
-            load_chunk(q, k, v, Ab, gcum, bos, hk, h, v0, Q0, K0, V0, Ab0, graw0)
-
-            for c in T.serial(num_chunks):
-                t0 = bos + c * C
-                n_rows = T.min(C, eos - t0)
-                if c % 2 == 0:
-                    if c + 1 < num_chunks:
-                        load_chunk(q, k, v, Ab, gcum, t0 + C, hk, h, v0, Q1, K1, V1, Ab1, graw1)
-                        T.ptx_wait_group(5)
-                    else:
-                        T.ptx_wait_group(0)
-                    T.sync_threads()
-                    chunk_step(o, t0, n_rows, h, v0, scale, Q0, K0, V0, Ab0, graw0, gc_sh, S_sh, P_sh,
-                               Vd_sh, Vn_sh, Vs_sh, O_sh, S, KS, O, P, Vn, gam, tail, decay)
-                else:
-                    if c + 1 < num_chunks:
-                        load_chunk(q, k, v, Ab, gcum, t0 + C, hk, h, v0, Q0, K0, V0, Ab0, graw0)
-                        T.ptx_wait_group(5)
-                    else:
-                        T.ptx_wait_group(0)
-                    T.sync_threads()
-                    chunk_step(o, t0, n_rows, h, v0, scale, Q1, K1, V1, Ab1, graw1, gc_sh, S_sh, P_sh,
-                               Vd_sh, Vn_sh, Vs_sh, O_sh, S, KS, O, P, Vn, gam, tail, decay)
-                T.sync_threads()  # the stage just used is refilled by the next iteration's loads
-
-            if store_ht != 0:
-                T.copy(S, ht[state_row, 0:D, v0:v0 + BV])
+                T.set_max_nreg(PRODUCER_REGS, 0)
+                if tx < 3 * WG + 32:  # loader: chunk c into stage c % 2 once every consumer freed it
+                    for c in T.serial(n_chunks):
+                        stage = c % 2
+                        t0 = bos + c * C
+                        T.barrier_wait(free[stage], (c // 2 + 1) % 2)
+                        T.tma_copy(q[t0:t0 + C, hk, 0:D], Q_s[stage, :, :], barrier=ready[stage])
+                        T.tma_copy(k[t0:t0 + C, hk, 0:D], K_s[stage, :, :], barrier=ready[stage])
+                        T.tma_copy(v[t0:t0 + C, h, v0:v0 + BV], V_s[stage, :, :], barrier=ready[stage])
+                        T.tma_copy(Ab[t0:t0 + C, h, 0:C], Ab_s[stage, :, :], barrier=ready[stage])
+                        for r in T.Parallel(C):
+                            g_s[stage, r] = gcum[h, t0 + T.min(r, seq_len - c * C - 1)] * LOG2E
+                        T.barrier_arrive(ready[stage])
+                elif tx < 3 * WG + 96:
+                    if store_by_producer:  # two warps store O (16 bytes per thread and store)
+                        for c in T.serial(n_chunks):
+                            T.barrier_wait(o_ready, c % 2)
+                            store_rows(o, O_sh, bos + c * C, h, v0, T.min(C, seq_len - c * C))
+                            T.barrier_arrive(o_free)
 
     return fused_fwd

@@ -349,30 +349,20 @@ def output(x: ChunkedCall, h, vnew, scale: float) -> torch.Tensor:
     return o
 
 
-# H200, bf16, 2026-11-30 (docs/benchmarks.md), split vs fused ms by sequences x v-heads: 1 x 8 (32K)
-# 1.95 vs 2.45; 1 x 16 2.70 vs 2.84 and 2.79 vs 2.88; 1 x 24 3.42 vs 3.30; 1 x 32 3.97 vs 3.40;
-# 8 x 8 (4K each) 0.96 vs 0.71; 4 x 64 (8K each) 6.71 vs 4.35. With few walks the split kernels win
-# (the serial chain is two GEMMs); once the walks fill the GPU the fused walk wins (no h round trip).
-FUSED_MIN_SEQ_HEADS = 24
-
-
-def use_fused(num_seqs: int, num_v_heads: int) -> bool:
-    return num_seqs * num_v_heads >= FUSED_MIN_SEQ_HEADS
-
-
-def chunk_gdn_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, fused=None):
+def chunk_gdn_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, fused=True):
     """Forward of GDN chunked prefill on SM90. Inputs validated and contiguous by the caller.
 
     q, k [B, T, Hqk, 128]; v [B, T, Hv, 128]; g fp32 [B, T, Hv] (natural log); beta [B, T, Hv];
     initial_state fp32 [N, Hv, 128, 128] or None; cu_seqlens [N + 1] (B == 1) or None.
     Returns o [B, T, Hv, 128] in q's dtype and the fp32 final state [N, Hv, 128, 128] or None.
 
-    Split: wy_inverse (W, U, gcum per chunk), chunk_states (the serial walk), chunk_output (every chunk at
-    once). Fused: wy_inverse, then fused_fwd (one walk computing the outputs too). fused=None picks by
-    sequences x v-heads (`use_fused`, the H200 measurements above).
+    Fused (the default): wy_inverse, then fused_fwd (one walk computing the outputs too). fused=False runs
+    the split decomposition instead, wy_inverse (W, U, gcum per chunk), chunk_states (the serial walk),
+    chunk_output (every chunk at once): the reference decomposition the tests and the benchmark compare.
+    Since fused_fwd is warp-specialised (H200, 2026-12-01) it is the faster one at every number of walks:
+    split / fused at 16K tokens per sequence 1.03x with 1 walk (sequences x v-heads), 1.11x at 2, 1.16x at
+    4, 1.27x at 8, 1.45x at 16; more walks favoured it already (docs/benchmarks.md, sixteenth session).
     """
-    if fused is None:
-        fused = use_fused(q.shape[0] if cu_seqlens is None else cu_seqlens.numel() - 1, v.shape[2])
     x = prepare(q, k, v, g, beta, cu_seqlens, walk_operands=not fused)
     if fused:
         o, ht = fused_forward(x, v, initial_state, scale, output_final_state)
