@@ -36,12 +36,14 @@ for the consumer's acknowledgement of the previous one. A `fence.proxy.async` fo
 shared write that a tensor-core product reads.
 
 Why this split, measured on the H200 against the previous kernel (two warpgroups sharing every product,
-cp.async double buffer) on the same inputs, fused walk alone, 2026-12-01: (16, 64) x 8K x 4 (block_v 128)
-1104 -> 1032 us, (16, 32) x 32K x 8 4307 -> 4074, (2, 8) x 4K x 8 (64) 200 -> 155, (2, 8) x 32K x 1 (32)
-1142 -> 900. A split by role instead (one warpgroup holding all of S, one computing V', one O: each product
-on a single warpgroup and two hand-offs on the serial chain) was 0.88-0.90x the previous kernel at
-block_v 128. Without any output work the chain warpgroups alone take 770 us at (16, 64) x 8K x 4, so the
-output warpgroup (2M of the 4.5M MACs per chunk, the mask, the store) sets the pace there.
+cp.async double buffer), fused walk alone, 2026-12-01: (16, 64) x 8K x 4 (block_v 128) 1104 -> 975 us,
+(16, 32) x 32K x 8 4307 -> 3820, (2, 8) x 4K x 8 (64) 200 -> 159, (2, 8) x 32K x 1 (32) 1142 -> 916; final
+states bitwise equal. A split by role instead (one warpgroup holding all of S, one computing V', one O:
+each product on a single warpgroup and two hand-offs on the serial chain) was 0.88-0.90x the previous kernel
+at block_v 128; O computed by the chain warpgroups themselves (one warpgroup for the masked scores) 0.83x
+this one there. Without any output work the chain warpgroups alone take 770 us at (16, 64) x 8K x 4, so
+the output warpgroup (2M of the 4.5M MACs per chunk, the mask, the store) sets the pace there
+(docs/kernels.md, "Sixteenth session").
 
 O leaves through O_sh and 16-byte row stores; at block_v < 128 two producer warps store it (the output
 warpgroup only writes O_sh), which measured 183 -> 155 us at block_v 64 and 930 -> 900 at 32 but 1032 ->
