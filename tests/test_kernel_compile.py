@@ -32,6 +32,24 @@ def test_kernel_compiles_for_sm90a(compiled_in_parallel, builder, args):
         assert "uint4" in source or "float4" in source, "the GQA sums must load rows as 16-byte vectors"
     else:
         assert "wgmma" in source, "the tensor-core products must lower to Hopper WGMMA"
+    if builder is launch.compiled_fused_fwd:
+        assert_warp_specialised(source)
+
+
+def assert_warp_specialised(source):
+    """fused_fwd's roles meet only at mbarriers and their own named barriers: a CTA-wide barrier inside a
+    role's branch would wait for threads that never reach it, and an explicit named barrier sharing an id
+    with one TileLang allocates for another role's branch (ids from 3 upwards) would join two roles."""
+    import re
+
+    from flashqla.kernels.hopper import fused_fwd
+
+    assert source.count("__syncthreads()") == 1, "only the barrier after the mbarrier initialisation"
+    assert "warpgroup_reg_alloc" in source and "tma_load" in source
+    explicit = set(fused_fwd.CHAIN_BARRIERS) | {fused_fwd.OUTPUT_BARRIER}
+    used = {int(i) for i in re.findall(r"__sync_thread_partial\((\d+),", source)}
+    assert used & explicit, "the kernel's own named barriers are missing"
+    assert max(used - explicit) < min(explicit), f"TileLang's named barriers {sorted(used - explicit)} reach ours"
 
 
 def test_segment_chain_tiles_fill_one_wave_then_widen():
@@ -40,6 +58,15 @@ def test_segment_chain_tiles_fill_one_wave_then_widen():
     assert launch.chain_block_v(8, sm_count=132) == 8  # TP8, one sequence: 8 heads x 16 tiles, one wave
     assert launch.chain_block_v(16, sm_count=132) == 16  # TP4: 16 x 16 tiles would be two waves
     assert launch.chain_block_v(512, sm_count=132) == 16
+
+
+def test_fused_forward_refuses_tiles_its_two_chain_warpgroups_cannot_split():
+    from flashqla.kernels.hopper.fused_fwd import build_fused_fwd
+
+    with pytest.raises(ValueError, match="block_v"):
+        build_fused_fwd("bfloat16", 16)
+    with pytest.raises(ValueError, match="block_v"):
+        build_fused_fwd("bfloat16", 48)
 
 
 def test_segment_chain_refuses_tilings_that_do_not_fit_one_cta():
