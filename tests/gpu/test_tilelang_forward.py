@@ -70,7 +70,7 @@ def poisoned_outputs(monkeypatch):
     monkeypatch.setattr(torch, "empty", empty_nan)
 
 
-def run_kernels(call, scale=D ** -0.5, fused=None):
+def run_kernels(call, scale=D ** -0.5, fused=True):
     from flashqla.kernels.hopper import chunk_gdn_fwd, unsupported_reason
 
     c = call
@@ -99,7 +99,7 @@ def rel_err(x, ref):
     return err if err == err else float("inf")
 
 
-def assert_matches(call, scale=D ** -0.5, fused=None):
+def assert_matches(call, scale=D ** -0.5, fused=True):
     o, ht = run_kernels(call, scale, fused)
     torch.cuda.synchronize()
     o_ref, ht_ref = reference(call, scale)
