@@ -90,6 +90,8 @@ def test_forward_takes_the_fused_walk_at_any_number_of_walks(hopper, monkeypatch
     o, _ = hopper.chunk_gdn_fwd(*(args[n] for n in NAMES), 128 ** -0.5, args["initial_state"], True, cu)
     assert ran == ["compiled_fused_fwd"]
     assert rel_err(o, torch_forward(args, cu)[0]) <= TOL
+    with pytest.raises(TypeError, match="fused"):  # no third value that would quietly pick a path
+        hopper.chunk_gdn_fwd(*(args[n] for n in NAMES), 128 ** -0.5, args["initial_state"], True, cu, fused=None)
 
 
 @pytest.mark.parametrize("fused,with_h0,cp_warmup", [(False, True, None), (True, True, None), (False, False, None),

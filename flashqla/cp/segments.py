@@ -199,6 +199,8 @@ def forward_summaries(hopper, q, k, v, g, beta, plan: SegmentPlan, cp_warmup, ha
     WY inverse and the summary launch), so inter-card CP runs it while the states are on their way.
     has_h0: an initial state will be given; dht_given, leaving: as `_summaries_needed` (dht_given None:
     no backward); fused: the last walk's kernel (fused_fwd, or the split walk and output)."""
+    if not isinstance(fused, bool):
+        raise TypeError(f"fused must be True or False, got {fused!r}")
     idx = _plan_tensors(plan, q.shape[0] * q.shape[1], q.device)
     # segments start on chunk boundaries of their sequence, so they chunk exactly like the sequences
     packed = _packed(idx, q, k, v, g, beta)

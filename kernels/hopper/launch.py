@@ -363,6 +363,8 @@ def chunk_gdn_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu
     split / fused at 16K tokens per sequence 1.03x with 1 walk (sequences x v-heads), 1.11x at 2, 1.16x at
     4, 1.27x at 8, 1.45x at 16; more walks favoured it already (docs/benchmarks.md, sixteenth session).
     """
+    if not isinstance(fused, bool):  # None once meant "by shape"; it must not quietly mean the split path
+        raise TypeError(f"fused must be True or False, got {fused!r}")
     x = prepare(q, k, v, g, beta, cu_seqlens, walk_operands=not fused)
     if fused:
         o, ht = fused_forward(x, v, initial_state, scale, output_final_state)
