@@ -119,7 +119,7 @@ def graph_median_ms(fn, reps):
 def impl_flashqla(fused=False):
     # the kernels' entry point: the public op validates cu_seqlens on the host (a sync that a CUDA graph
     # capture rejects); FlashQLA is likewise timed through its internal forward. fused=False: the three
-    # split kernels; True: the single-walk fused_fwd (dispatch picks between them by sequences x heads)
+    # split kernels (kept for comparison); True: the single-walk fused_fwd, the forward's own path
     from flashqla.kernels.hopper import chunk_gdn_fwd
 
     def run(q, k, v, g, beta, cu):
@@ -209,7 +209,8 @@ def write_report(path, rows, vers, notes):
         "bf16, K = V = 128, forward only, CUDA graph replay where the implementation can be captured, median of "
         "the replays (benchmarks/bench_gdn.py). Floors: inputs + output once at 4.3 TB/s; chunked-form "
         "tensor-core FLOPs at 790 TFLOP/s.", "",
-        "flashqla = three kernels (wy_inverse, chunk_states, chunk_output); fused = the single-walk kernel; "
+        "flashqla = the split decomposition (wy_inverse, chunk_states, chunk_output; kept for comparison); "
+        "fused = the single-walk kernel, the forward's own path with CP off; "
         "+CP = the public op with intra_cp='auto' (L = chunks per segment the planner chose, 0 = off); "
         "sweep = the fastest forced segment length (the AutoCP calibration); best = the fastest flashqla column.", "",
         "FlashQLA: CP off / its AutoCP on (timed on the --flashqla-configs only).", "",
