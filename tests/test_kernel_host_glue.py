@@ -377,9 +377,8 @@ def test_passing_state_and_gradient_equal_the_whole_calls(hopper, monkeypatch, c
         if not fused:
             assert rel_err(S_end, final) <= 1e-5, rel_err(S_end, final)
             return
-        ref_plan = torch_backend.make_plan(1, passed_call.q.shape[1], passed_call.cu_seqlens.tolist(), plan_chunks)
-        ref = torch_backend.forward(*(getattr(passed_call, n) for n in NAMES), scale, passed_call.initial_state, True,
-                                    ref_plan)[1][seq]
+        inputs = {n: getattr(passed_call, n) for n in NAMES + ("initial_state",)}
+        ref = torch_forward(inputs, passed_call.cu_seqlens, plan_chunks, scale)[1][seq]
         assert rel_err(S_end, ref) <= TOL and rel_err(final, ref) <= TOL, (rel_err(S_end, ref), rel_err(final, ref))
     args, cu = call([64 * 7 + 5], Hqk=1, Hv=3, seed=9)
     args["g"][..., 0] = 0.0
