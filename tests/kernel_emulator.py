@@ -62,8 +62,7 @@ def _output(Q, K, S, Vn, gamma, Gamma, scale):
     return scale * (gamma[:, :, None] * (Q @ S) + (Gamma * (Q @ K.transpose(-1, -2))) @ Vn)
 
 
-def emulate_wy_inverse(k, beta, g, cu, offsets, v, Ab, gcum, w, u, chunk_slots, search_steps, store_a, *,
-                       with_wu):
+def emulate_wy_inverse(k, beta, g, cu, offsets, v, GA, gcum, w, u, chunk_slots, search_steps, *, with_wu):
     Hv = v.shape[1]
     hk = _qk_heads(k.shape[1], Hv)
     for _, _, t0, n in _chunks(cu):
@@ -79,16 +78,16 @@ def emulate_wy_inverse(k, beta, g, cu, offsets, v, Ab, gcum, w, u, chunk_slots, 
         W = gc.exp()[:, :, None] * (A_beta @ K)
         U = (Gamma * A_beta) @ _rows(v, t0, n)
         gcum[:, t0:t0 + n] = gc[:, :n].to(gcum.dtype)
-        _store(Ab, t0, n, A if store_a else Gamma * A_beta)  # the forward's Ab carries its gate mask
+        _store(GA, t0, n, Gamma * A)  # the forward's operand carries its gate mask, not beta
         if with_wu:  # else w and u are stand-ins that build never touches
             _store(w, t0, n, W)
             _store(u, t0, n, U)
 
 
-def emulate_chunk_wu(k, v, Ab, gcum, cu, offsets, active, w, u, chunk_slots, search_steps):
-    """W = Ab diag(gamma) K and U = Ab V from the forward's gated Ab, in the chunks from the first one a
-    summary walk of `active` reads; the rows of the other chunks become NaN (memory the kernel leaves
-    unwritten, so a walk reading them shows)."""
+def emulate_chunk_wu(k, v, GA, beta, gcum, cu, offsets, active, w, u, chunk_slots, search_steps, store_u):
+    """W = GA diag(beta gamma) K and U = GA diag(beta) V from the forward's GA = Gamma o A, in the chunks from
+    the first one a walk of `active` reads; the rows of the other chunks become NaN (memory the kernel leaves
+    unwritten, so a walk reading them shows). u is untouched without store_u."""
     Hv = v.shape[1]
     N = cu.numel() - 1
     # each walk's first chunk as chunk_states reads `active` (a >= 1: from chunk a - 1; 0: not walked)
@@ -97,12 +96,13 @@ def emulate_chunk_wu(k, v, Ab, gcum, cu, offsets, active, w, u, chunk_slots, sea
     hk = _qk_heads(k.shape[1], Hv)
     for n, c, t0, rows in _chunks(cu):
         gamma = _gates(gcum, t0, rows)[1]
-        Abc = _rows(Ab, t0, rows)  # [Hv, C, C]
+        b = _rows(beta, t0, rows)[:, :, None]
+        GAc = _rows(GA, t0, rows)  # [Hv, C, C]
         live = (c >= first[n])[:, None, None]
-        W = Abc @ (gamma[:, :, None] * _rows(k, t0, rows, hk))
-        U = Abc @ _rows(v, t0, rows)
+        W = GAc @ (b * gamma[:, :, None] * _rows(k, t0, rows, hk))
         _store(w, t0, rows, torch.where(live, W, torch.nan))
-        _store(u, t0, rows, torch.where(live, U, torch.nan))
+        if store_u:
+            _store(u, t0, rows, torch.where(live, GAc @ (b * _rows(v, t0, rows)), torch.nan))
 
 
 def emulate_chunk_states(k, w, u, gcum, cu, offsets, h0, h_out, vnew, ht, mt, active, use_h0, store_ht, store_chunks,
@@ -152,7 +152,8 @@ def emulate_chunk_output(q, k, vnew, gcum, h_in, cu, offsets, o, scale, search_s
         _store(o, t0, rows, _output(Q, K, h_in[offsets[n] + c].double(), _rows(vnew, t0, rows), gamma, Gamma, scale))
 
 
-def emulate_fused_fwd(q, k, v, Ab, gcum, cu, h0, o, ht, scale, use_h0, store_ht):
+def emulate_fused_fwd(q, k, v, GA, beta, gcum, cu, offsets, h0, o, ht, h_out, scale, use_h0, store_ht, store_states):
+    """The fused walk: O (or with store_states the state entering every chunk, at its slot, and no O)."""
     Hv, D = v.shape[1], v.shape[2]
     hk = _qk_heads(q.shape[1], Hv)
     S = None
@@ -161,8 +162,12 @@ def emulate_fused_fwd(q, k, v, Ab, gcum, cu, h0, o, ht, scale, use_h0, store_ht)
             S = _start_state(h0, n, use_h0, Hv, D)
         _, gamma, Gamma, gamma_last, to_end = _gates(gcum, t0, rows)
         Q, K = _rows(q, t0, rows, hk), _rows(k, t0, rows, hk)
-        Vn = _rows(Ab, t0, rows) @ (_rows(v, t0, rows) - gamma[:, :, None] * (K @ S))  # Ab = Gamma o A diag(beta)
-        _store(o, t0, rows, _output(Q, K, S, Vn, gamma, Gamma, scale))
+        Vd = _rows(beta, t0, rows)[:, :, None] * (_rows(v, t0, rows) - gamma[:, :, None] * (K @ S))
+        Vn = _rows(GA, t0, rows) @ Vd  # GA = Gamma o A
+        if store_states:
+            h_out[offsets[n] + c] = S.to(h_out.dtype)
+        else:
+            _store(o, t0, rows, _output(Q, K, S, Vn, gamma, Gamma, scale))
         S = gamma_last[:, :, None] * S + K.transpose(-1, -2) @ (to_end[:, :, None] * Vn)
         if store_ht and t0 + rows == cu[n + 1]:
             ht[n * Hv:(n + 1) * Hv] = S.to(ht.dtype)
@@ -186,16 +191,19 @@ def emulate_chunk_dstates(q, k, w, do, gcum, cu, offsets, dht, dh_out, dh0, scal
             dh0[n * Hv:(n + 1) * Hv] = dS.to(dh0.dtype)
 
 
-def emulate_chunk_bwd_local(q, k, v, do, A, gcum, beta, h, dh, cu, offsets, dq, dk, dv, dg, dbeta, scale,
+def emulate_chunk_bwd_local(q, k, v, do, GA, gcum, beta, h, dh, cu, offsets, dq, dk, dv, dg, dbeta, scale,
                             search_steps):
-    """reference.chunk_backward per chunk on its zero-padded rows (the kernel's masking), dg summed."""
+    """reference.chunk_backward per chunk on its zero-padded rows (the kernel's masking), dg summed; its A is
+    GA / Gamma (0 where Gamma underflows: those entries of GA are 0 and reach no gradient term beyond it)."""
     from flashqla.ops import reference
 
     hk = _qk_heads(q.shape[1], v.shape[1])
     for n, c, t0, rows in _chunks(cu):
         one = lambda t, heads=None: _rows(t, t0, rows, heads)[None, None]  # noqa: E731  [1, 1, Hv, C, ...]
-        gc = _gates(gcum, t0, rows)[0][None, None]
-        x = reference.ChunkInputs(one(q, hk), one(k, hk), one(v), gc, one(beta), one(A), reference.decay_factors(gc))
+        gc, _, Gamma, _, _ = _gates(gcum, t0, rows)
+        A = torch.where(Gamma > 0, _rows(GA, t0, rows) / Gamma, 0.0)[None, None]
+        gc = gc[None, None]
+        x = reference.ChunkInputs(one(q, hk), one(k, hk), one(v), gc, one(beta), A, reference.decay_factors(gc))
         b = reference.backward_terms(x, one(do), scale)
         slot = offsets[n] + c
         gq, gk, gv, ggc, gbeta = reference.chunk_backward(x, b, h[slot].double()[None, None], dh[slot].double()[None, None])

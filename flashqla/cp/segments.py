@@ -6,7 +6,7 @@ A segment is a shorter sequence with its own initial state. After one `wy_invers
    and in the same launch the transition product M_j (the walk of U = 0 from I; S_end = M_j S_0 + S*_j),
    each only where the chain reads it (no S* for a sequence's last segment; M only for a (segment,
    head) on the exact path, next to a nonzero state); when step 3 is fused, `wy_inverse` skipped W and U
-   and `chunk_wu` computes them from Ab for just the chunks these walks read;
+   and `chunk_wu` computes them from GA for just the chunks these walks read;
 2. the chain S_{j,0} = S*_{j-1} + [exact] M_{j-1} S_{j-1,0} in fp32 (one `segment_chain` launch), where a
    head takes the M term only when the previous segment's summed log-decay stays above `cp_warmup`;
    elsewhere S*_{j-1} is the warmup state, the walk of only the last chunks of segment j-1 whose gates
@@ -32,6 +32,16 @@ import torch
 
 from ..ops.layout import CHUNK
 from .plan import SegmentPlan
+
+
+@dataclass
+class Kept:
+    """What a forward on the kernels leaves for its backward (flashqla/ops/backends.py): the segments'
+    (S_{j,0}, M_j, exact) (None unsegmented, or not kept) and the WY inverse (the kernels' `KeptInverse`: A
+    and the cumulative gates, so the backward runs no second wy_inverse; None: recomputed)."""
+
+    starts: tuple | None = None
+    inverse: object = None
 
 
 @dataclass(frozen=True)
@@ -191,14 +201,17 @@ class ForwardSummaries:
     exact: torch.Tensor
     v_shape: torch.Size
     fused: bool  # the last walk's kernel: fused_fwd, or the state walk and chunk_output
+    keep_inverse: bool = False  # the backward reads the WY inverse (`Kept`)
 
 
 def forward_summaries(hopper, q, k, v, g, beta, plan: SegmentPlan, cp_warmup, has_h0: bool,
-                      dht_given: bool | None = None, leaving: bool = False, fused=True) -> ForwardSummaries:
+                      dht_given: bool | None = None, leaving: bool = False, fused=True,
+                      keep_inverse=False) -> ForwardSummaries:
     """The first half of `segmented_forward`: everything that does not read the initial states (the
     WY inverse and the summary launch), so inter-card CP runs it while the states are on their way.
     has_h0: an initial state will be given; dht_given, leaving: as `_summaries_needed` (dht_given None:
-    no backward); fused: the last walk's kernel (fused_fwd, or the split walk and output)."""
+    no backward); fused: the last walk's kernel (fused_fwd, or the split walk and output); keep_inverse:
+    the walk's `Kept` carries the WY inverse, which the backward then reads instead of computing it again."""
     if not isinstance(fused, bool):
         raise TypeError(f"fused must be True or False, got {fused!r}")
     idx = _plan_tensors(plan, q.shape[0] * q.shape[1], q.device)
@@ -207,7 +220,7 @@ def forward_summaries(hopper, q, k, v, g, beta, plan: SegmentPlan, cp_warmup, ha
     # a fused last walk reads no W and U: the summary launch then computes them where its walks read them
     x = hopper.prepare(*packed, idx.cu, chunk_offsets=idx.chunk_offsets, walk_operands=not fused)
     summaries = _segment_summaries(hopper, x, idx, cp_warmup, has_h0, dht_given, leaving)
-    return ForwardSummaries(idx, packed, x, *summaries, v.shape, fused)
+    return ForwardSummaries(idx, packed, x, *summaries, v.shape, fused, keep_inverse)
 
 
 def forward_chain(hopper, summ: ForwardSummaries, initial_state):
@@ -224,7 +237,8 @@ def leaving_state(summ: ForwardSummaries, S0):
 
 
 def forward_walk(hopper, summ: ForwardSummaries, S0, scale, output_final_state, with_starts=False):
-    """Step 3 above from the segments' starts S0: (o, final state[, kept starts])."""
+    """Step 3 above from the segments' starts S0: (o, final state[, `Kept`: the starts, and the inverse when
+    the summaries kept it])."""
     idx, x, v = summ.idx, summ.x, summ.packed[2]
     if summ.fused:
         o, S_final = hopper.fused_forward(x, v, S0, scale, output_final_state)
@@ -233,7 +247,9 @@ def forward_walk(hopper, summ: ForwardSummaries, S0, scale, output_final_state, 
         o = hopper.output(x, h, vnew, scale)
     final_state = S_final[idx.last] if output_final_state else None
     o = o.view(summ.v_shape)
-    return (o, final_state, (S0, summ.M, summ.exact)) if with_starts else (o, final_state)
+    if not with_starts:
+        return o, final_state
+    return o, final_state, Kept((S0, summ.M, summ.exact), x.kept() if summ.keep_inverse else None)
 
 
 def forward_from_summaries(hopper, summ: ForwardSummaries, scale, initial_state, output_final_state,
@@ -244,16 +260,17 @@ def forward_from_summaries(hopper, summ: ForwardSummaries, scale, initial_state,
 
 
 def segmented_forward(hopper, q, k, v, g, beta, scale, initial_state, output_final_state, plan: SegmentPlan,
-                      cp_warmup, fused=True, with_starts=False):
+                      cp_warmup, fused=True, with_starts=False, keep_inverse=False):
     """Intra-card CP on the TileLang kernels (`hopper` = flashqla.kernels.hopper); returns what the
-    unsegmented forward would return, (o, final_state), and with_starts the segments' (S_{j,0}, M, exact)
-    for `segmented_backward` (fp32 [rows, Hv, 128, 128] twice: small next to the activations, and the
-    backward then skips the summary launch and the chain). fused: the final walk's kernel (fused_fwd, or
-    the split walk and output)."""
+    unsegmented forward would return, (o, final_state), and with_starts a `Kept` with the segments'
+    (S_{j,0}, M, exact) for `segmented_backward` (fp32 [rows, Hv, 128, 128] twice: small next to the
+    activations, and the backward then skips the summary launch and the chain) and, with keep_inverse, the
+    WY inverse. fused: the final walk's kernel (fused_fwd, or the split walk and output)."""
     # kept for the backward: with the M its mirror scan reads (a final-state gradient exists only when
     # the final state is returned)
     summ = forward_summaries(hopper, q, k, v, g, beta, plan, cp_warmup, initial_state is not None,
-                             dht_given=output_final_state if with_starts else None, fused=fused)
+                             dht_given=output_final_state if with_starts else None, fused=fused,
+                             keep_inverse=keep_inverse)
     return forward_from_summaries(hopper, summ, scale, initial_state, output_final_state, with_starts)
 
 
@@ -292,13 +309,19 @@ class BackwardPrologue:
 
 
 def backward_prologue(hopper, q, k, v, g, beta, scale, initial_state, plan: SegmentPlan, cp_warmup, do,
-                      dht_given: bool, starts=None) -> BackwardPrologue:
-    """The first half of `segmented_backward`: the WY inverse, the starts (the forward's, or recomputed),
-    and every segment's reverse walk from zero (D_j); nothing here reads the final-state gradient, so
-    inter-card CP runs it while that gradient is on its way."""
+                      dht_given: bool, kept: Kept | None = None) -> BackwardPrologue:
+    """The first half of `segmented_backward`: the WY inverse (the forward's, or recomputed), the starts
+    (likewise), and every segment's reverse walk from zero (D_j); nothing here reads the final-state
+    gradient, so inter-card CP runs it while that gradient is on its way."""
     idx = _plan_tensors(plan, q.shape[0] * q.shape[1], q.device)
     packed = _packed(idx, q, k, v, g, beta)
-    x = hopper.prepare(*packed, idx.cu, store_a=True, chunk_offsets=idx.chunk_offsets)
+    kept = kept or Kept()
+    if kept.inverse is None:
+        x = hopper.prepare(*packed, idx.cu, chunk_offsets=idx.chunk_offsets, walk_operands=False)
+    else:  # the forward's packed layout and chunk grid are these (the same plan)
+        x = hopper.prepare_from_kept(packed[0], packed[1], packed[2], packed[4], kept.inverse, idx.cu,
+                                     chunk_offsets=idx.chunk_offsets)
+    starts = kept.starts
     if starts is None:  # not kept by the forward: recomputed, as the forward computed them
         S_star, M, exact = _segment_summaries(hopper, x, idx, cp_warmup, initial_state is not None, dht_given)
         starts = (_chain(hopper, S_star, M, exact, idx, initial_state), M, exact)
@@ -334,17 +357,17 @@ def entering_gradient(hopper, pro: BackwardPrologue):
 
 
 def segmented_backward(hopper, q, k, v, g, beta, scale, initial_state, plan: SegmentPlan, cp_warmup, do, dht,
-                       starts=None):
+                       kept: Kept | None = None):
     """The gradients of `segmented_forward` (its o and final state): (dq, dk, dv, dg, dbeta, dh0).
 
-    The segments' starts are the forward's (`starts`) or recomputed as in the forward; one reverse walk
-    from zero gives every segment's D_j, the fp32 mirror scan (`exit_gradients`) the gradient leaving
-    each segment, and the kernel backward then runs every segment at once from its start and its exit
-    gradient. Where the forward dropped M_j S_{j,0} (warmup), the scan drops M_j^T likewise; the
+    The segments' starts and WY inverse are the forward's (`kept`) or recomputed as in the forward; one
+    reverse walk from zero gives every segment's D_j, the fp32 mirror scan (`exit_gradients`) the gradient
+    leaving each segment, and the kernel backward then runs every segment at once from its start and its
+    exit gradient. Where the forward dropped M_j S_{j,0} (warmup), the scan drops M_j^T likewise; the
     segment's own inputs still see the whole exit gradient, i.e. the gradient of the term the forward
     dropped, which is below e^cp_warmup of the state like the term itself.
     """
     pro = backward_prologue(hopper, q, k, v, g, beta, scale, initial_state, plan, cp_warmup, do, dht is not None,
-                            starts)
+                            kept)
     *grads, dh0 = backward_finish(hopper, pro, dht)
     return (*grads, None if dh0 is None else dh0.to(initial_state.dtype))

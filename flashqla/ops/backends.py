@@ -100,15 +100,30 @@ def choose(backend: str, call: Call) -> str:
     return "torch"
 
 
-def forward(name: str, call: Call, scale: float, output_final_state: bool, plan, cp_warmup, for_backward=False):
-    """(o, final state); for_backward: (o, final state, what `backward` can reuse, or None)."""
+def keeps_inverse() -> bool:
+    """Whether a TileLang forward whose backward will run keeps its WY inverse (its own GA and cumulative
+    gates, 132 bytes per token and v-head held until the backward; nothing more computed) so that the
+    backward does not compute it again; on unless FLASHQLA_KEEP_INVERSE=0 (less activation memory, a second
+    wy_inverse in every backward)."""
+    return switched_on("FLASHQLA_KEEP_INVERSE")
+
+
+def forward(name: str, call: Call, scale: float, output_final_state: bool, plan, cp_warmup, for_backward=False,
+            keep_inverse=False):
+    """(o, final state); for_backward: (o, final state, what `backward` can reuse (a `segments.Kept`), or
+    None). keep_inverse: on the TileLang path, keep the WY inverse for the backward (`keeps_inverse`)."""
     c = call
     kept = None
     if name == "tilelang":
         hopper, _ = _hopper_kernels()
         if plan.is_segmented:  # segments run as packed sequences (flashqla/cp/segments.py)
             *out, kept = segments.segmented_forward(hopper, c.q, c.k, c.v, c.g, c.beta, scale, c.initial_state,
-                                                    output_final_state, plan, cp_warmup, with_starts=True)
+                                                    output_final_state, plan, cp_warmup, with_starts=True,
+                                                    keep_inverse=keep_inverse)
+        elif keep_inverse:
+            *out, inverse = hopper.chunk_gdn_fwd(c.q, c.k, c.v, c.g, c.beta, scale, c.initial_state,
+                                                 output_final_state, c.cu_seqlens, keep_inverse=True)
+            kept = segments.Kept(inverse=inverse)
         else:
             out = hopper.chunk_gdn_fwd(c.q, c.k, c.v, c.g, c.beta, scale, c.initial_state, output_final_state,
                                        c.cu_seqlens)
@@ -191,8 +206,9 @@ def backward(name: str, call: Call, scale: float, plan, cp_warmup, do, dht, kept
         hopper, _ = _hopper_kernels()
         if plan.is_segmented:
             return segments.segmented_backward(hopper, c.q, c.k, c.v, c.g, c.beta, scale, c.initial_state, plan,
-                                               cp_warmup, do, dht, starts=kept)
-        return hopper.chunk_gdn_bwd(c.q, c.k, c.v, c.g, c.beta, scale, c.initial_state, c.cu_seqlens, do, dht)
+                                               cp_warmup, do, dht, kept=kept)
+        return hopper.chunk_gdn_bwd(c.q, c.k, c.v, c.g, c.beta, scale, c.initial_state, c.cu_seqlens, do, dht,
+                                    kept=None if kept is None else kept.inverse)
     return torch_backend.backward(c.q, c.k, c.v, c.g, c.beta, scale, c.initial_state, plan, do, dht, cp_warmup)
 
 
@@ -205,7 +221,7 @@ def backward_in_two(name: str, call: Call, scale: float, plan, cp_warmup, do, ke
     if name == "tilelang" and plan.is_segmented:
         hopper, _ = _hopper_kernels()
         pro = segments.backward_prologue(hopper, c.q, c.k, c.v, c.g, c.beta, scale, c.initial_state, plan,
-                                         cp_warmup, do, dht_given=True, starts=kept)
+                                         cp_warmup, do, dht_given=True, kept=kept)
         return _backward_finisher(hopper, pro, c.initial_state)
     return lambda dht: backward(name, call, scale, plan, cp_warmup, do, dht, kept)
 
@@ -229,5 +245,5 @@ def backward_passing_gradient(name: str, call: Call, scale: float, plan, cp_warm
     hopper, _ = _hopper_kernels()
     c = call
     pro = segments.backward_prologue(hopper, c.q, c.k, c.v, c.g, c.beta, scale, c.initial_state, plan, cp_warmup,
-                                     do, dht_given=dht_given, starts=kept)
+                                     do, dht_given=dht_given, kept=kept)
     return segments.entering_gradient(hopper, pro), _backward_finisher(hopper, pro, c.initial_state)

@@ -12,14 +12,17 @@ from .torch_backend import make_plan
 
 
 class ChunkGatedDeltaRuleFunction(torch.autograd.Function):
-    """Saves the inputs (and, for intra-card segments on the kernels, every segment's entering state and
-    transition product); backward recomputes the per-chunk states (no o, no per-chunk S kept)."""
+    """Saves the inputs (and, on the kernels, the WY inverse when a backward will run, and for intra-card
+    segments every segment's entering state and transition product); backward recomputes the per-chunk
+    states (no o, no per-chunk S kept)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, g, beta, initial_state, scale, output_final_state, cu_seqlens, plan, cp_warmup, backend):
+    def forward(ctx, q, k, v, g, beta, initial_state, scale, output_final_state, cu_seqlens, plan, cp_warmup, backend,
+                keep_inverse):
         call = backends.Call(q, k, v, g, beta, initial_state, cu_seqlens)
+        # ctx.kept: what this call's backward reuses (segments.Kept, or None)
         o, final_state, ctx.kept = backends.forward(backend, call, scale, output_final_state, plan, cp_warmup,
-                                                    for_backward=True)  # ctx.kept: this call's fp32 intermediates
+                                                    for_backward=True, keep_inverse=keep_inverse)
         ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens)
         # the backward reuses this call's segmentation plan, so both directions cut the same way
         ctx.scale, ctx.plan, ctx.cp_warmup, ctx.backend = scale, plan, cp_warmup, backend
@@ -32,7 +35,7 @@ class ChunkGatedDeltaRuleFunction(torch.autograd.Function):
         dq, dk, dv, dg, dbeta, dh0 = backends.backward(ctx.backend, call, ctx.scale, ctx.plan, ctx.cp_warmup,
                                                        do.contiguous(), dht, ctx.kept)
         ctx.kept = None
-        return dq, dk, dv, dg, dbeta, dh0, None, None, None, None, None, None
+        return dq, dk, dv, dg, dbeta, dh0, None, None, None, None, None, None, None
 
 
 def chunk_gated_delta_rule(
@@ -103,8 +106,13 @@ def chunk_gated_delta_rule(
     check_cp_arguments(intra_cp, cp_warmup)
     scale, q, k, v, g, beta = _prepare(scale, options, q, k, v, g, beta)
     plan, name = _plan_and_backend(q, k, v, g, beta, initial_state, cu_seqlens, bounds, backend, intra_cp)
+    # the WY inverse is kept only where a backward will run (inside forward, grad mode is always off)
+    keep_inverse = (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in
+                                                     (q, k, v, g, beta, initial_state))
+                    and backends.keeps_inverse())
     o, final_state = ChunkGatedDeltaRuleFunction.apply(
-        q, k, v, g, beta, initial_state, float(scale), bool(output_final_state), cu_seqlens, plan, cp_warmup, name
+        q, k, v, g, beta, initial_state, float(scale), bool(output_final_state), cu_seqlens, plan, cp_warmup, name,
+        keep_inverse
     )
     return o, state_to_caller_layout(options, final_state)
 

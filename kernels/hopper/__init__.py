@@ -3,14 +3,18 @@
 Dispatch contract (flashqla/ops/backends.py):
     unsupported_reason(q, k, v, g, beta, initial_state, cu_seqlens) -> str | None
     chunk_gdn_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens) -> (o, ht | None)
-    chunk_gdn_bwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht) -> (dq, dk, dv, dg, dbeta, dh0)
+        (keep_inverse=True: a third item, the KeptInverse for the backward)
+    chunk_gdn_bwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht, kept=None)
+        -> (dq, dk, dv, dg, dbeta, dh0)
 
 Forward, three launches: `wy_inverse` (W, U and the chunk-local cumsum of g, per chunk and v-head),
 `chunk_states` (the serial state walk per sequence, v-head and V tile), `chunk_output` (all chunks at
 once); or `wy_inverse` without W and U, then `fused_fwd` (one walk computing the outputs too). The
 segmented forward (flashqla/cp/segments.py) adds `chunk_wu` (W and U of the chunks its summary walks read)
 and `segment_chain`. Backward (`chunk_gdn_bwd`, backward.py): `wy_inverse` and `chunk_states` again, the reverse walk
-`chunk_dstates`, then `chunk_bwd_local` (every chunk's gradients at once). Intra-card and inter-card CP
+`chunk_dstates`, then `chunk_bwd_local` (every chunk's gradients at once); a forward whose backward will
+run keeps A and the cumulative gates (`KeptInverse`), and its backward forms W and U from them
+(`chunk_wu` from A) instead of the second `wy_inverse`. Intra-card and inter-card CP
 (flashqla/cp) compose the same pieces: prepare, walk, summaries, fold_segments, output, state_gradients,
 backward_of.
 Nothing here imports tilelang or touches CUDA at import time; kernels compile on first use (or load
@@ -22,12 +26,12 @@ import torch
 
 from .backward import (backward_of, chunk_gdn_bwd, entering_state_gradients, output_gradient,
                        state_gradients)
-from .launch import (HEAD_DIM, block_v_for, chunk_gdn_fwd, fold_segments, fused_forward, output, prepare, summaries,
-                     walk)
+from .launch import (HEAD_DIM, KeptInverse, block_v_for, chunk_gdn_fwd, fold_segments, fused_forward, output, prepare,
+                     prepare_from_kept, summaries, walk)
 
-__all__ = ["unsupported_reason", "chunk_gdn_fwd", "chunk_gdn_bwd", "block_v_for", "prepare", "walk", "summaries",
-           "output", "fused_forward", "fold_segments", "state_gradients", "backward_of",
-           "output_gradient", "entering_state_gradients"]
+__all__ = ["unsupported_reason", "chunk_gdn_fwd", "chunk_gdn_bwd", "block_v_for", "prepare", "prepare_from_kept",
+           "KeptInverse", "walk", "summaries", "output", "fused_forward", "fold_segments", "state_gradients",
+           "backward_of", "output_gradient", "entering_state_gradients"]
 
 _DTYPES = (torch.bfloat16, torch.float16)
 

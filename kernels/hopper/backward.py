@@ -1,14 +1,17 @@
 """Backward of GDN chunked prefill on SM90: five kernels over the forward's flat token layout.
 
-    wy_inverse (store_a)  A (without beta), W, U and the chunk-local cumulative gates, recomputed
-    chunk_states          the state entering every chunk (input dtype), the forward's walk again
+    (wy_inverse)          GA = Gamma o A and the chunk-local cumulative gates: the forward's, kept
+                          (`KeptInverse`), or recomputed (the forward's build) when it kept none
+    chunk_wu (W only)     W = diag(gamma) A diag(beta) K, which the reverse walk reads
+    fused_fwd (states)    the state entering every chunk (input dtype): the forward's walk again, without O
     chunk_dstates         the reverse walk: the gradient of the state leaving every chunk, and dS0
-                          (beside chunk_states on a second stream when one walk leaves SMs idle)
+                          (beside the state walk on a second stream when one walk leaves SMs idle)
     chunk_bwd_local       every chunk at once: dq, dk (per v-head), dv, dg, dbeta from those two
     gqa_sum               dq and dk summed over each GQA group (fp32 accumulation), both in one launch
 
-Nothing of the forward is saved but its inputs. The kernels read dO as given and apply the output scale
-themselves; the host casts dg and dbeta. Sequences of any length, GQA, initial state and dht as in the
+Of the forward the backward reads its inputs and, when kept, GA and the cumulative gates (the forward's own
+tensors: 132 bytes per token and v-head held until the backward). The kernels read dO as given and apply the
+output scale themselves; the host casts dg and dbeta. Sequences of any length, GQA, initial state and dht as in the
 forward. Intra-card CP (flashqla/cp/segments.py) runs the same steps with its segments as the sequences.
 """
 from __future__ import annotations
@@ -18,7 +21,7 @@ import functools
 import torch
 
 from .launch import (HEAD_DIM, ChunkedCall, block_v_on, compiled_chunk_bwd_local, compiled_chunk_dstates,
-                     compiled_gqa_sum, prepare, walk, walks_fill)
+                     compiled_gqa_sum, fused_states, prepare, prepare_from_kept, walk_operands_for, walks_fill)
 
 
 @functools.lru_cache(maxsize=None)
@@ -47,15 +50,17 @@ def side_by_side(device: torch.device, side, main):
 def output_gradient(x: ChunkedCall, do: torch.Tensor) -> torch.Tensor:
     """dO as the kernels read it: [T, Hv, 128] in the input dtype (a view when it already is; the output
     scale is applied inside the kernels)."""
-    return do.reshape(x.w.shape).to(x.w.dtype).contiguous()
+    return do.reshape(x.v.shape).to(x.v.dtype).contiguous()
 
 
 def state_gradients(x: ChunkedCall, do: torch.Tensor, scale: float, dht):
     """chunk_dstates over every sequence of `x` from dO (`output_gradient`) with the output scale and dht
     (fp32 [N, Hv, 128, 128], or None for zero): (dh [chunk_slots, Hv, 128, 128] in the input dtype,
-    dS0 fp32 [N, Hv, 128, 128])."""
+    dS0 fp32 [N, Hv, 128, 128]). Computes x's W (chunk_wu, every chunk) when x has none."""
     N, Hv, device, D = x.num_seqs, x.num_v_heads, x.q.device, HEAD_DIM
-    dh = torch.empty(x.chunk_slots, Hv, D, D, dtype=x.w.dtype, device=device)
+    if x.w is None:
+        x.w, _ = walk_operands_for(x, None, with_u=False)
+    dh = torch.empty(x.chunk_slots, Hv, D, D, dtype=x.v.dtype, device=device)
     placeholder = torch.empty(1, D, D, dtype=torch.float32, device=device)
     dht_arg = placeholder if dht is None else dht.float().reshape(N * Hv, D, D).contiguous()
     dS0 = torch.empty(N, Hv, D, D, dtype=torch.float32, device=device)
@@ -65,12 +70,13 @@ def state_gradients(x: ChunkedCall, do: torch.Tensor, scale: float, dht):
 
 
 def backward_of(x: ChunkedCall, q, k, v, g, beta, do, scale, h0, dht):
-    """Gradients of the sequences of `x` (prepared with store_a) from dO (`output_gradient`) with the output
-    scale, their initial states h0 and the gradients dht of their final states (fp32 [N, Hv, 128, 128] or
-    None): (dq, dk, dv, dg, dbeta) shaped and typed like q, k, v, g, beta, and dS0 fp32 [N, Hv, 128, 128].
-    Releases x's W and U once the two walks have read them (`ChunkedCall.release_walk_operands`), and the
-    per-chunk states before the sums: T x Hv x 512 bytes less held at the chunk-local kernel, another
-    T x Hv x 1 KB (h and dh) less at the sums."""
+    """Gradients of the sequences of `x` (`prepare`d, or from a kept inverse) from dO
+    (`output_gradient`) with the output scale, their initial states h0 and the gradients dht of their
+    final states (fp32 [N, Hv, 128, 128] or None): (dq, dk, dv, dg, dbeta) shaped and typed like q, k, v,
+    g, beta, and dS0 fp32 [N, Hv, 128, 128].
+    Releases x's W (and U) once the two walks have read them (`ChunkedCall.release_walk_operands`), and
+    the per-chunk states before the sums: T x Hv x 256 bytes (or 512) less held at the chunk-local kernel,
+    another T x Hv x 1 KB (h and dh) less at the sums."""
     B, T, Hqk, D = q.shape
     Hv = v.shape[2]
     device = q.device
@@ -81,12 +87,12 @@ def backward_of(x: ChunkedCall, q, k, v, g, beta, do, scale, h0, dht):
         return state_gradients(x, do, scale, dht)
 
     def forward_walk():
-        return walk(x, h0, store_final=False)
+        return fused_states(x, h0)
 
     if device.type == "cuda" and not walks_fill(device, x.num_seqs, x.num_v_heads):
-        (dh, dS0), (h, _, _) = side_by_side(device, reverse_walk, forward_walk)
+        (dh, dS0), h = side_by_side(device, reverse_walk, forward_walk)
     else:
-        (dh, dS0), (h, _, _) = reverse_walk(), forward_walk()
+        (dh, dS0), h = reverse_walk(), forward_walk()
     x.release_walk_operands()  # the chunk-local kernel reads neither W nor U
     # per v-head in the input dtype: half the bytes of fp32 written here and read by the GQA sums (and
     # T x Hv x 512 bytes less memory at the peak); the sums accumulate in fp32 and round once more
@@ -95,7 +101,7 @@ def backward_of(x: ChunkedCall, q, k, v, g, beta, do, scale, h0, dht):
     dg = torch.empty(Hv, B * T, dtype=torch.float32, device=device)
     dbeta = torch.empty(B * T, Hv, dtype=torch.float32, device=device)
     compiled_chunk_bwd_local(x.dtype)(
-        x.q, x.k, v.reshape(B * T, Hv, D), do, x.Ab, x.gcum, beta.reshape(B * T, Hv).float(), h, dh, x.cu,
+        x.q, x.k, v.reshape(B * T, Hv, D), do, x.GA, x.gcum, x.beta, h, dh, x.cu,
         x.offsets, dq, dk, dv, dg, dbeta, scale, x.num_seqs.bit_length())
     del h, dh  # the per-chunk states and their gradients, before the GQA sums allocate
 
@@ -108,13 +114,17 @@ def backward_of(x: ChunkedCall, q, k, v, g, beta, do, scale, h0, dht):
             dg.t().reshape(g.shape).to(g.dtype), dbeta.view(beta.shape).to(beta.dtype), dS0)
 
 
-def chunk_gdn_bwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht):
+def chunk_gdn_bwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht, kept=None):
     """Gradients (dq, dk, dv, dg, dbeta, dh0) of `chunk_gdn_fwd`'s o (upstream `do`) and final state (`dht`).
 
     Shapes and dtypes as chunk_gdn_fwd's inputs (validated, contiguous); do [B, T, Hv, 128]; dht fp32
-    [N, Hv, 128, 128] or None. dh0 is None without an initial state.
+    [N, Hv, 128, 128] or None; kept: the forward's `KeptInverse` (keep_inverse=True), or None to
+    recompute it. dh0 is None without an initial state.
     """
-    x = prepare(q, k, v, g, beta, cu_seqlens, store_a=True)
+    if kept is None:
+        x = prepare(q, k, v, g, beta, cu_seqlens, walk_operands=False)
+    else:
+        x = prepare_from_kept(q, k, v, beta, kept, cu_seqlens)
     *grads, dS0 = backward_of(x, q, k, v, g, beta, output_gradient(x, do), scale, initial_state, dht)
     return (*grads, None if initial_state is None else dS0.to(initial_state.dtype))
 

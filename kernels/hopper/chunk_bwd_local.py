@@ -17,15 +17,16 @@ of the state leaving it (dS, from `chunk_dstates`), with dOs = scale dO:
 
     dgc_last += gamma_last <S, dS>,   dg = reverse cumsum of dgc within the chunk (gc = cumsum g)
 
-Inputs in the flat token layout of the forward: q, k [T, Hqk, 128] (v-head h reads k-head h // (Hv/Hqk)),
-v and dOs [T, Hv, 128], A [T, Hv, 64] WITHOUT beta (wy_inverse with store_a), gcum [Hv, T] (natural
-log, converted to base 2 once, for exp2), the per-chunk states h and state gradients dh at chunk slots
-(chunk_states, chunk_dstates). CTA (slot, v-head) finds its sequence by binary search in `chunk_offsets`
-as wy_inverse does; in a partial last chunk the rows past the sequence end are zeroed after loading
-(they hold the next sequence) and their gates repeat the last one, which is exactly the zero padding of
-the reference's chunk grid. Outputs, rows that exist only: dq, dk, dv per v-head in the input dtype (the
-caller sums dq and dk over GQA groups, accumulating in fp32), dg [Hv, T] and dbeta in fp32. dq, dk and
-dv leave through shared memory (dq and dk through dO's tile once dO is read for the last time, dv
+Inputs in the flat token layout of the forward: q, k [T, Hqk, 128] (v-head h reads k-head h // (Hv/Hqk)), v
+and dOs [T, Hv, 128], GA = Gamma o A [T, Hv, 64] (wy_inverse's, the fused forward's operand; the forward
+keeps it for this kernel, and every A term above has an exact GA form, see the dL step), gcum [Hv, T]
+(natural log, converted to base 2 once, for exp2), the per-chunk states h and state gradients dh at chunk
+slots (fused_fwd's state recompute, chunk_dstates). CTA (slot, v-head) finds its sequence by binary search
+in `chunk_offsets` as wy_inverse does; in a partial last chunk the rows past the sequence end are zeroed
+after loading (they hold the next sequence) and their gates repeat the last one, which is exactly the zero
+padding of the reference's chunk grid. Outputs, rows that exist only: dq, dk, dv per v-head in the input
+dtype (the caller sums dq and dk over GQA groups, accumulating in fp32), dg [Hv, T] and dbeta in fp32. dq,
+dk and dv leave through shared memory (dq and dk through dO's tile once dO is read for the last time, dv
 through the tile that holds it for dk's last term), 16 bytes per thread and store.
 
 The kernel reads dO itself: every product with dO feeds an elementwise fp32 step (the Gamma mask, the
@@ -87,7 +88,7 @@ def build_chunk_bwd_local(dtype: str):
         k: T.Tensor((num_tokens, num_qk_heads, D), dtype),
         v: T.Tensor((num_tokens, num_v_heads, D), dtype),
         do: T.Tensor((num_tokens, num_v_heads, D), dtype),
-        A: T.Tensor((num_tokens, num_v_heads, C), dtype),
+        GA: T.Tensor((num_tokens, num_v_heads, C), dtype),
         gcum: T.Tensor((num_v_heads, num_tokens), "float32"),
         beta: T.Tensor((num_tokens, num_v_heads), "float32"),
         h: T.Tensor((num_chunk_slots, num_v_heads, D, D), dtype),
@@ -112,10 +113,9 @@ def build_chunk_bwd_local(dtype: str):
             CD1_s = T.alloc_shared((C, D), dtype)  # V, then diag(beta) Vd
             CD2_s = T.alloc_shared((C, D), dtype)  # V_new, then dVd (after the last use of V_new)
             dVn_s = T.alloc_shared((C, D), dtype)
-            A_s = T.alloc_shared((C, C), dtype)
             GA_s = T.alloc_shared((C, C), dtype)  # Gamma o A
             CC1_s = T.alloc_shared((C, C), dtype)  # P, then dP o Gamma, then dA
-            CC2_s = T.alloc_shared((C, C), dtype)  # A^T dA, then G
+            CC2_s = T.alloc_shared((C, C), dtype)  # GA^T Lower(dGamma_A), then G
             E_sh = T.alloc_shared((C, C), "float32")  # E_P, then E_A (column sums)
             gc_sh = T.alloc_shared((C,), "float32")
             beta_sh = T.alloc_shared((C,), "float32")
@@ -167,12 +167,12 @@ def build_chunk_bwd_local(dtype: str):
 
             if n_rows > 0:
                 # all seven tiles in flight at once (cp.async, bounds-checked, one commit group each), in the
-                # order of first use: the work on K, S, V and A starts once those four have landed, while Q,
+                # order of first use: the work on K, S, V and GA starts once those four have landed, while Q,
                 # dS and dO are still on their way
                 T.async_copy(k[t0:t0 + C, hk, 0:D], K_s)
                 T.async_copy(h[chunk, hv, 0:D, 0:D], S_s)
                 T.async_copy(v[t0:t0 + C, hv, 0:D], CD1_s)
-                T.async_copy(A[t0:t0 + C, hv, 0:C], A_s)
+                T.async_copy(GA[t0:t0 + C, hv, 0:C], GA_s)
                 T.async_copy(q[t0:t0 + C, hk, 0:D], Q_s)
                 T.async_copy(dh[chunk, hv, 0:D, 0:D], dS_s)
                 T.async_copy(do[t0:t0 + C, hv, 0:D], dO_s)
@@ -190,7 +190,7 @@ def build_chunk_bwd_local(dtype: str):
                             CD1_s[r, j] = T.cast(0, dtype)
                     for r, s in T.Parallel(C, C):
                         if r >= n_rows:
-                            A_s[r, s] = T.cast(0, dtype)
+                            GA_s[r, s] = T.cast(0, dtype)
                 for r in T.Parallel(C):
                     gc_sh[r] = gcum[hv, t0 + T.min(r, last)] * LOG2E
                     beta_sh[r] = T.if_then_else(r < n_rows, beta[t0 + T.min(r, last), hv], 0.0)
@@ -198,7 +198,7 @@ def build_chunk_bwd_local(dtype: str):
                     gam_sh[r] = T.exp2(gc_sh[r])
                     tail_sh[r] = T.exp2(gc_sh[C - 1] - gc_sh[r])
 
-                # Vd = V - diag(gamma) K S;  CD1 <- diag(beta) Vd;  Gamma o A
+                # Vd = V - diag(gamma) K S;  CD1 <- diag(beta) Vd;  the mask Gamma
                 T.gemm(K_s, S_s, KS, clear_accum=True)
                 for r, j in T.Parallel(C, D):
                     Vd[r, j] = CD1_s[r, j] - gam_sh[r] * KS[r, j]
@@ -206,8 +206,6 @@ def build_chunk_bwd_local(dtype: str):
                     CD1_s[r, j] = beta_sh[r] * Vd[r, j]
                 for r, s in T.Parallel(C, C):
                     Gam[r, s] = T.if_then_else(r >= s, T.exp2(gc_sh[r] - gc_sh[s]), 0.0)
-                for r, s in T.Parallel(C, C):
-                    GA_s[r, s] = A_s[r, s] * Gam[r, s]
 
                 # V_new = (Gamma o A) diag(beta) Vd -> CD2
                 T.gemm(GA_s, CD1_s, Vn, clear_accum=True)
@@ -280,21 +278,24 @@ def build_chunk_bwd_local(dtype: str):
                 for r in T.Parallel(C):
                     dbeta_part[0, r] = rows_dX[r]
 
-                # dGamma_A = dV_new (diag(beta) Vd)^T; E_A = dGamma_A o (Gamma o A); CC1 <- dA = dGamma_A o Gamma
+                # dGamma_A = dV_new (diag(beta) Vd)^T; E_A = dGamma_A o (Gamma o A); CC1 <- Lower(dGamma_A)
                 T.gemm(dVn_s, CD1_s, dGA, transpose_B=True, clear_accum=True)
                 for r, s in T.Parallel(C, C):
                     E_A[r, s] = dGA[r, s] * GA_s[r, s]
                 for r, s in T.Parallel(C, C):
-                    CC1_s[r, s] = dGA[r, s] * Gam[r, s]
+                    CC1_s[r, s] = T.if_then_else(r >= s, dGA[r, s], 0.0)
                 row_minus_column_sums(E_A, E_sh, rows_A, col_A, dgc_part, 2)
 
-                # dL = StrictLower(-A^T dA A^T); dbeta += rowsum(dL o K K^T); CC2 <- G = diag(beta) dL
-                T.gemm(A_s, CC1_s, dL, transpose_A=True, clear_accum=True)
+                # dL = StrictLower(-A^T dA A^T) with dA = dGamma_A o Gamma, from GA alone: with D = diag(gamma),
+                # A = D^-1 GA D and dA = D Lower(dGamma_A) D^-1, so A^T dA A^T = D (GA^T Lower(dGamma_A) GA^T) D^-1,
+                # whose strictly lower entries are Gamma_rs (GA^T Lower(dGamma_A) GA^T)_rs (every factor <= 1);
+                # dbeta += rowsum(dL o K K^T); CC2 <- G = diag(beta) dL
+                T.gemm(GA_s, CC1_s, dL, transpose_A=True, clear_accum=True)
                 T.copy(dL, CC2_s)
-                T.gemm(CC2_s, A_s, dL, transpose_B=True, clear_accum=True)
+                T.gemm(CC2_s, GA_s, dL, transpose_B=True, clear_accum=True)
                 T.gemm(K_s, K_s, KK, transpose_B=True, clear_accum=True)
                 for r, s in T.Parallel(C, C):
-                    dL[r, s] = T.if_then_else(r > s, -dL[r, s], 0.0)
+                    dL[r, s] = T.if_then_else(r > s, -dL[r, s] * Gam[r, s], 0.0)
                 for r, s in T.Parallel(C, C):
                     KK[r, s] = dL[r, s] * KK[r, s]
                 T.reduce_sum(KK, rows_L, dim=1)

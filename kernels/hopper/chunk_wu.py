@@ -1,16 +1,18 @@
-"""W and U of the chunks a summary walk reads, from the forward's gated inverse Ab (design doc §2-3).
+"""W and U of the chunks a walk reads, from the forward's gated inverse GA = Gamma o A (design doc §2-3).
 
-In the segmented forward the last walk is the fused one, which reads Ab and gcum alone; W and U are read
-only by the summary walk (chunk_states.py), and that walk visits every chunk of a (segment, v-head) only
-on the exact path: a warmed-up head walks the last few chunks of its segment, and some walks do not run
-(`segments._summaries_needed`). `wy_inverse` then runs without W and U for every chunk, and this kernel
+In the segmented forward the last walk is the fused one, which reads GA, beta and gcum alone; W and U are
+read only by the summary walk (chunk_states.py), and that walk visits every chunk of a (segment, v-head)
+only on the exact path: a warmed-up head walks the last few chunks of its segment, and some walks do not
+run (`segments._summaries_needed`). `wy_inverse` then runs without W and U for every chunk, and this kernel
 writes them for the chunks a walk reads, without a second inverse:
 
-    W = diag(gamma) A diag(beta) K = Ab diag(gamma) K        (Ab = Gamma o (A diag(beta)), Gamma_rs gamma_s = gamma_r)
-    U = Ab V
+    W = diag(gamma) A diag(beta) K = GA diag(beta gamma) K        (Gamma_rs gamma_s = gamma_r)
+    U = (Gamma o A) diag(beta) V = GA diag(beta) V
 
-both 64 x 64 x 128 products on tensor cores with fp32 accumulation. gamma_s = exp(gcum_s) and Gamma_rs are
-each >= gamma_r (gates <= 0), so neither factor underflows where the row W_r it builds is representable.
+both 64 x 64 x 128 products on tensor cores with fp32 accumulation (K and V scaled by row and rounded to
+the input dtype first). gamma_s = exp(gcum_s) and Gamma_rs are each >= gamma_r (gates <= 0), so neither
+factor underflows where the row W_r it builds is representable. The backward's reverse walk reads W only:
+with `store_u` = 0 the U product and its stores are skipped.
 
 One CTA per (chunk slot, v-head), 128 threads. active [2, N, Hv] is the summary walk's own (launch.summaries,
 decoded by chunk_states.summary_walk_start): a >= 1 starts that walk (S*, then M) at chunk a - 1, zero skips
@@ -40,7 +42,8 @@ def build_chunk_wu(dtype: str):
     def chunk_wu(
         k: T.Tensor((num_tokens, num_qk_heads, D), dtype),
         v: T.Tensor((num_tokens, num_v_heads, D), dtype),
-        Ab: T.Tensor((num_tokens, num_v_heads, C), dtype),
+        GA: T.Tensor((num_tokens, num_v_heads, C), dtype),
+        beta: T.Tensor((num_tokens, num_v_heads), "float32"),
         gcum: T.Tensor((num_v_heads, num_tokens), "float32"),
         cu_seqlens: T.Tensor((num_seqs + 1,), "int32"),
         chunk_offsets: T.Tensor((num_seqs + 1,), "int32"),
@@ -49,13 +52,15 @@ def build_chunk_wu(dtype: str):
         u: T.Tensor((num_tokens, num_v_heads, D), dtype),
         num_chunk_slots: T.int32,
         search_steps: T.int32,
+        store_u: T.int32,
     ):
         with T.Kernel(num_chunk_slots, num_v_heads, threads=128) as (chunk, h):
             hk = h // (num_v_heads // num_qk_heads)
-            Ab_sh = T.alloc_shared((C, C), dtype)
+            GA_sh = T.alloc_shared((C, C), dtype)
             K_sh = T.alloc_shared((C, D), dtype)
             V_sh = T.alloc_shared((C, D), dtype)
-            gamma_sh = T.alloc_shared((C,), "float32")
+            beta_gamma_sh = T.alloc_shared((C,), "float32")
+            beta_sh = T.alloc_shared((C,), "float32")
             WU = T.alloc_fragment((C, D), "float32")  # W, then U
 
             seq, start, n_rows = chunk_of_slot(cu_seqlens, chunk_offsets, num_seqs, chunk, search_steps)
@@ -66,35 +71,41 @@ def build_chunk_wu(dtype: str):
                           summary_walk_start(active[(num_seqs + seq) * num_v_heads + h], num_chunk_slots))
 
             if n_rows > 0 and chunk - chunk_offsets[seq] >= first:
-                T.async_copy(Ab[start:start + C, h, 0:C], Ab_sh)
+                T.async_copy(GA[start:start + C, h, 0:C], GA_sh)
                 T.async_copy(k[start:start + C, hk, 0:D], K_sh)
-                T.async_copy(v[start:start + C, h, 0:D], V_sh)
+                if store_u != 0:
+                    T.async_copy(v[start:start + C, h, 0:D], V_sh)
                 for r in T.Parallel(C):
-                    gamma_sh[r] = T.exp2(gcum[h, start + T.min(r, last)] * LOG2E)
+                    beta_sh[r] = T.if_then_else(r < n_rows, beta[start + T.min(r, last), h], 0.0)
+                    beta_gamma_sh[r] = T.exp2(gcum[h, start + T.min(r, last)] * LOG2E) * beta_sh[r]
                 T.ptx_wait_group(0)
                 T.sync_threads()
-                # rows past the sequence end: zero keys and values (the rows of Ab that exist are zero in
-                # those columns, but 0 x NaN is NaN); K scaled by gamma in place
+                # rows past the sequence end: zero keys and values (the rows of GA that exist are zero in
+                # those columns, but 0 x NaN is NaN); K scaled by beta gamma and V by beta in place
                 for r, d in T.Parallel(C, D):
-                    K_sh[r, d] = T.if_then_else(r < n_rows, T.cast(K_sh[r, d] * gamma_sh[r], dtype),
+                    K_sh[r, d] = T.if_then_else(r < n_rows, T.cast(K_sh[r, d] * beta_gamma_sh[r], dtype),
                                                 T.cast(0, dtype))
-                if n_rows < C:
+                if store_u != 0:
                     for r, d in T.Parallel(C, D):
-                        if r >= n_rows:
-                            V_sh[r, d] = T.cast(0, dtype)
+                        V_sh[r, d] = T.if_then_else(r < n_rows, T.cast(V_sh[r, d] * beta_sh[r], dtype),
+                                                    T.cast(0, dtype))
                 T.sync_threads()
-                T.gemm(Ab_sh, K_sh, WU, clear_accum=True)
+                T.gemm(GA_sh, K_sh, WU, clear_accum=True)
                 T.sync_threads()  # every warp's K reads done before K holds W
                 for r, d in T.Parallel(C, D):
                     K_sh[r, d] = T.cast(WU[r, d], dtype)
-                T.gemm(Ab_sh, V_sh, WU, clear_accum=True)
-                T.sync_threads()
-                for r, d in T.Parallel(C, D):
-                    V_sh[r, d] = T.cast(WU[r, d], dtype)
+                if store_u != 0:
+                    T.gemm(GA_sh, V_sh, WU, clear_accum=True)
+                    T.sync_threads()
+                    for r, d in T.Parallel(C, D):
+                        V_sh[r, d] = T.cast(WU[r, d], dtype)
                 T.sync_threads()
                 for r, d in T.Parallel(C, D):  # staged for 16-byte row stores
                     if r < n_rows:
                         w[start + r, h, d] = K_sh[r, d]
-                        u[start + r, h, d] = V_sh[r, d]
+                if store_u != 0:
+                    for r, d in T.Parallel(C, D):
+                        if r < n_rows:
+                            u[start + r, h, d] = V_sh[r, d]
 
     return chunk_wu

@@ -3,13 +3,18 @@
 Per 64-token chunk, with the state S [128 x block_v] kept in fp32 registers (design doc §2):
 
     KS = K S,  QS = Q S,  P = Q K^T                                    (tensor cores, bf16/fp16 in, fp32 out)
-    Vd = V - diag(gamma) KS                                            ("V delta")
-    V' = Ab Vd                      with Ab = Gamma o (A diag(beta)) from wy_inverse (gate mask included)
+    Vd = diag(beta) (V - diag(gamma) KS)                               ("V delta", beta applied here)
+    V' = GA Vd                      with GA = Gamma o A from wy_inverse (gate mask included)
     O  = scale (diag(gamma) QS + (Lower(Gamma) o P) V')
     S  = gamma_last S + K^T diag(gamma_last / gamma) V'
 
 Only O and the final state leave the kernel. Every column of S, V' and O depends on the same column of V
 only, so the walk splits by columns without any exchange between the halves.
+
+With the runtime flag `store_states` the kernel is the backward's state recompute instead: no O (Q is not
+loaded, the chain hands no V' over), and the output warpgroup stores the state entering every chunk (input
+dtype, from the chain's S_sh) at its chunk slot `chunk_offsets[n] + c` of `h_out`, what chunk_states.py
+stores from W and U, here from GA and beta alone.
 
 Roles (512 threads, four warpgroups; `T.set_max_nreg` moves registers from the producer to the others):
   | warpgroup | holds                               | per chunk                                          |
@@ -18,10 +23,10 @@ Roles (512 threads, four warpgroups; `T.set_max_nreg` moves registers from the p
   |           |                                     | shared memory (bf16) for the next chunk's products |
   | 2 (output)| O (both halves) and P               | P = Q K^T and its mask, QS from the chain's S,     |
   |           |                                     | O = gamma QS + P V' from the chain's V'            |
-  | 3         | warp 0: loader; warps 1-2: O store  | TMA loads of Q, K, V, Ab and the gates of chunk    |
+  | 3         | warp 0: loader; warps 1-2: O store  | TMA loads of Q, K, V, GA, gates and beta of chunk  |
   |           | (block_v < 128)                     | c + 1 into the other stage; O rows to global       |
 The chain warpgroups never wait for each other: each owns its columns from the load of the chunk to the
-state update, so a step of the serial walk is three products of one warpgroup (K S, Ab Vd, K^T V') and no
+state update, so a step of the serial walk is three products of one warpgroup (K S, GA Vd, K^T V') and no
 hand-off. The output warpgroup runs beside them, half a chunk behind. mbarriers (arrive counts in the
 allocations) carry every hand-off, with phase parity c % 2 (stages: (c // 2) % 2):
     ready[s]   loader -> all      stage s holds chunk c (TMA bytes + the loader warp's gate stores)
@@ -49,8 +54,8 @@ O leaves through O_sh and 16-byte row stores; at block_v < 128 two producer warp
 warpgroup only writes O_sh), which measured 183 -> 155 us at block_v 64 and 930 -> 900 at 32 but 1032 ->
 1431 at 128, where the output warpgroup stores it itself.
 
-Gates: the loader stores the chunk's gates in base 2 (gcum x log2 e), rows past the sequence end repeating
-its last token, so no exp2 argument is positive and gamma_last is row C - 1. Rows past the end of a
+Gates: the loader stores the chunk's gates in base 2 (gcum x log2 e) and beta, rows past the sequence end
+repeating its last token, so no exp2 argument is positive and gamma_last is row C - 1. Rows past the end of a
 sequence are loaded as they are (the next sequence's tokens, or TMA's zero fill past the tensor end:
 finite); they reach only rows of V' and O that are not stored, except through the state update, where
 gamma_last / gamma is set to 0 for them.
@@ -84,13 +89,15 @@ def build_fused_fwd(dtype: str, block_v: int):
     num_seqs = T.dynamic("num_seqs")
     num_h0 = T.dynamic("num_h0")
     num_ht = T.dynamic("num_ht")
+    num_slots = T.dynamic("num_slots")
     C, D, BV, WG = CHUNK, HEAD_DIM, block_v, WARPGROUP
     H = BV // 2  # columns per chain warpgroup
     store_by_producer = BV < 128
 
     @T.macro
-    def chain(half, barrier_id, v0, n_chunks, seq_len, state_row, h0, ht, use_h0, store_ht, K_s, V_s, Ab_s, g_s,
-              S_sh, Vd_sh, Vn_sh, S, KS, Vn, gam, tail, decay, ready, free, s_ready, s_read, vn_ready, vn_free):
+    def chain(half, barrier_id, v0, n_chunks, seq_len, state_row, h0, ht, use_h0, store_ht, store_states, K_s, V_s,
+              GA_s, g_s, b_s, S_sh, Vd_sh, Vn_sh, S, KS, Vn, gam, tail, decay, ready, free, s_ready, s_read, vn_ready,
+              vn_free):
         """Chain warpgroup `half`: columns v0 + half * H .. + H of S and V', chunk after chunk."""
         col0 = v0 + half * H
         T.set_max_nreg(CHAIN_REGS, 1)
@@ -116,17 +123,18 @@ def build_fused_fwd(dtype: str, block_v: int):
             T.wait_wgmma(0)
             T.warpgroup_fence_operand(KS, num_regs=C * H // WG)
             for r, j in T.Parallel(C, H):
-                KS[r, j] = V_s[stage, r, half * H + j] - gam[r] * KS[r, j]  # Vd
+                KS[r, j] = b_s[stage, r] * (V_s[stage, r, half * H + j] - gam[r] * KS[r, j])  # Vd
             T.copy(KS, Vd_sh)
             T.fence_proxy_async()
             T.sync_threads(barrier_id, WG)
-            T.wgmma_gemm(Ab_s[stage, :, :], Vd_sh, Vn, clear_accum=True)
+            T.wgmma_gemm(GA_s[stage, :, :], Vd_sh, Vn, clear_accum=True)
             T.wait_wgmma(0)
             T.warpgroup_fence_operand(Vn, num_regs=C * H // WG)
-            T.barrier_wait(vn_free, (c + 1) % 2)
-            T.copy(Vn, Vn_sh)
-            T.fence_proxy_async()
-            T.barrier_arrive(vn_ready)
+            if store_states == 0:  # V' to the output warpgroup
+                T.barrier_wait(vn_free, (c + 1) % 2)
+                T.copy(Vn, Vn_sh)
+                T.fence_proxy_async()
+                T.barrier_arrive(vn_ready)
             for r, j in T.Parallel(C, H):
                 Vn[r, j] = Vn[r, j] * tail[r]
             T.copy(Vn, Vd_sh)  # (gamma_last / gamma) V' over Vd, which the V' product has read
@@ -154,15 +162,19 @@ def build_fused_fwd(dtype: str, block_v: int):
         q: T.Tensor((num_tokens, num_qk_heads, D), dtype),
         k: T.Tensor((num_tokens, num_qk_heads, D), dtype),
         v: T.Tensor((num_tokens, num_v_heads, D), dtype),
-        Ab: T.Tensor((num_tokens, num_v_heads, C), dtype),
+        GA: T.Tensor((num_tokens, num_v_heads, C), dtype),
+        beta: T.Tensor((num_tokens, num_v_heads), "float32"),
         gcum: T.Tensor((num_v_heads, num_tokens), "float32"),
         cu_seqlens: T.Tensor((num_seqs + 1,), "int32"),
+        chunk_offsets: T.Tensor((num_seqs + 1,), "int32"),
         h0: T.Tensor((num_h0, D, D), "float32"),
         o: T.Tensor((num_tokens, num_v_heads, D), dtype),
         ht: T.Tensor((num_ht, D, D), "float32"),
+        h_out: T.Tensor((num_slots, num_v_heads, D, D), dtype),
         scale: T.float32,
         use_h0: T.int32,
         store_ht: T.int32,
+        store_states: T.int32,
     ):
         with T.Kernel(D // BV, num_seqs, num_v_heads, threads=4 * WG) as (bv, n, h):
             hk = h // (num_v_heads // num_qk_heads)
@@ -176,8 +188,9 @@ def build_fused_fwd(dtype: str, block_v: int):
             Q_s = T.alloc_shared((2, C, D), dtype)
             K_s = T.alloc_shared((2, C, D), dtype)
             V_s = T.alloc_shared((2, C, BV), dtype)
-            Ab_s = T.alloc_shared((2, C, C), dtype)
+            GA_s = T.alloc_shared((2, C, C), dtype)
             g_s = T.alloc_shared((2, C), "float32")  # base-2 gates
+            b_s = T.alloc_shared((2, C), "float32")  # beta
             S_sh0, S_sh1 = T.alloc_shared((D, H), dtype), T.alloc_shared((D, H), dtype)
             Vd_sh0, Vd_sh1 = T.alloc_shared((C, H), dtype), T.alloc_shared((C, H), dtype)
             Vn_sh0, Vn_sh1 = T.alloc_shared((C, H), dtype), T.alloc_shared((C, H), dtype)
@@ -205,58 +218,68 @@ def build_fused_fwd(dtype: str, block_v: int):
 
             tx = T.get_thread_binding()
             if tx < WG:
-                chain(0, CHAIN_BARRIERS[0], v0, n_chunks, seq_len, state_row, h0, ht, use_h0, store_ht, K_s, V_s,
-                      Ab_s, g_s, S_sh0, Vd_sh0, Vn_sh0, S0, KS0, Vn0, gam0, tail0, decay0, ready, free, s_ready,
-                      s_read, vn_ready, vn_free)
+                chain(0, CHAIN_BARRIERS[0], v0, n_chunks, seq_len, state_row, h0, ht, use_h0, store_ht, store_states,
+                      K_s, V_s, GA_s, g_s, b_s, S_sh0, Vd_sh0, Vn_sh0, S0, KS0, Vn0, gam0, tail0, decay0, ready, free,
+                      s_ready, s_read, vn_ready, vn_free)
             elif tx < 2 * WG:
-                chain(1, CHAIN_BARRIERS[1], v0, n_chunks, seq_len, state_row, h0, ht, use_h0, store_ht, K_s, V_s,
-                      Ab_s, g_s, S_sh1, Vd_sh1, Vn_sh1, S1, KS1, Vn1, gam1, tail1, decay1, ready, free, s_ready,
-                      s_read, vn_ready, vn_free)
+                chain(1, CHAIN_BARRIERS[1], v0, n_chunks, seq_len, state_row, h0, ht, use_h0, store_ht, store_states,
+                      K_s, V_s, GA_s, g_s, b_s, S_sh1, Vd_sh1, Vn_sh1, S1, KS1, Vn1, gam1, tail1, decay1, ready, free,
+                      s_ready, s_read, vn_ready, vn_free)
             elif tx < 3 * WG:  # output
                 T.set_max_nreg(OUTPUT_REGS, 1)
-                for c in T.serial(n_chunks):
-                    stage = c % 2
-                    t0 = bos + c * C
-                    n_rows = T.min(C, seq_len - c * C)
-                    T.barrier_wait(ready[stage], (c // 2) % 2)
-                    T.wgmma_gemm(Q_s[stage, :, :], K_s[stage, :, :], P, transpose_B=True, clear_accum=True)
-                    T.barrier_wait(s_ready, c % 2)
-                    T.wgmma_gemm(Q_s[stage, :, :], S_sh0, O0, clear_accum=True)
-                    T.wgmma_gemm(Q_s[stage, :, :], S_sh1, O1, clear_accum=True)
-                    for r in T.Parallel(C):
-                        gam_o[r] = T.exp2(g_s[stage, r]) * scale
-                    T.wait_wgmma(2)
-                    T.warpgroup_fence_operand(P, num_regs=C * C // WG)
-                    for r, s in T.Parallel(C, C):
-                        P[r, s] = T.if_then_else(r >= s, P[r, s] * T.exp2(g_s[stage, r] - g_s[stage, s]) * scale, 0.0)
-                    T.copy(P, P_sh)
-                    T.fence_proxy_async()
-                    T.wait_wgmma(0)
-                    T.warpgroup_fence_operand(O0, num_regs=C * H // WG)
-                    T.warpgroup_fence_operand(O1, num_regs=C * H // WG)
-                    T.barrier_arrive(s_read)
-                    for r, j in T.Parallel(C, H):
-                        O0[r, j] = O0[r, j] * gam_o[r]
-                    for r, j in T.Parallel(C, H):
-                        O1[r, j] = O1[r, j] * gam_o[r]
-                    T.sync_threads(OUTPUT_BARRIER, WG)  # every thread's P_sh rows before the product
-                    T.barrier_wait(vn_ready, c % 2)
-                    T.wgmma_gemm(P_sh, Vn_sh0, O0)
-                    T.wgmma_gemm(P_sh, Vn_sh1, O1)
-                    T.wait_wgmma(0)
-                    T.warpgroup_fence_operand(O0, num_regs=C * H // WG)
-                    T.warpgroup_fence_operand(O1, num_regs=C * H // WG)
-                    T.barrier_arrive(vn_free)
-                    T.barrier_arrive(free[stage])
-                    if store_by_producer:
-                        T.barrier_wait(o_free, (c + 1) % 2)
-                    T.copy(O0, O_sh[0:C, 0:H])
-                    T.copy(O1, O_sh[0:C, H:BV])
-                    if store_by_producer:
-                        T.barrier_arrive(o_ready)
-                    else:
-                        T.sync_threads(OUTPUT_BARRIER, WG)
-                        store_rows(o, O_sh, t0, h, v0, n_rows)
+                if store_states != 0:  # the state entering every chunk to its slot, as the chain hands it over
+                    for c in T.serial(n_chunks):
+                        slot = chunk_offsets[n] + c
+                        T.barrier_wait(s_ready, c % 2)
+                        T.copy(S_sh0, h_out[slot, h, 0:D, v0:v0 + H])
+                        T.copy(S_sh1, h_out[slot, h, 0:D, v0 + H:v0 + BV])
+                        T.barrier_arrive(s_read)
+                        T.barrier_arrive(free[c % 2])
+                else:  # O
+                    for c in T.serial(n_chunks):
+                        stage = c % 2
+                        t0 = bos + c * C
+                        n_rows = T.min(C, seq_len - c * C)
+                        T.barrier_wait(ready[stage], (c // 2) % 2)
+                        T.wgmma_gemm(Q_s[stage, :, :], K_s[stage, :, :], P, transpose_B=True, clear_accum=True)
+                        T.barrier_wait(s_ready, c % 2)
+                        T.wgmma_gemm(Q_s[stage, :, :], S_sh0, O0, clear_accum=True)
+                        T.wgmma_gemm(Q_s[stage, :, :], S_sh1, O1, clear_accum=True)
+                        for r in T.Parallel(C):
+                            gam_o[r] = T.exp2(g_s[stage, r]) * scale
+                        T.wait_wgmma(2)
+                        T.warpgroup_fence_operand(P, num_regs=C * C // WG)
+                        for r, s in T.Parallel(C, C):
+                            P[r, s] = T.if_then_else(
+                                r >= s, P[r, s] * T.exp2(g_s[stage, r] - g_s[stage, s]) * scale, 0.0)
+                        T.copy(P, P_sh)
+                        T.fence_proxy_async()
+                        T.wait_wgmma(0)
+                        T.warpgroup_fence_operand(O0, num_regs=C * H // WG)
+                        T.warpgroup_fence_operand(O1, num_regs=C * H // WG)
+                        T.barrier_arrive(s_read)
+                        for r, j in T.Parallel(C, H):
+                            O0[r, j] = O0[r, j] * gam_o[r]
+                        for r, j in T.Parallel(C, H):
+                            O1[r, j] = O1[r, j] * gam_o[r]
+                        T.sync_threads(OUTPUT_BARRIER, WG)  # every thread's P_sh rows before the product
+                        T.barrier_wait(vn_ready, c % 2)
+                        T.wgmma_gemm(P_sh, Vn_sh0, O0)
+                        T.wgmma_gemm(P_sh, Vn_sh1, O1)
+                        T.wait_wgmma(0)
+                        T.warpgroup_fence_operand(O0, num_regs=C * H // WG)
+                        T.warpgroup_fence_operand(O1, num_regs=C * H // WG)
+                        T.barrier_arrive(vn_free)
+                        T.barrier_arrive(free[stage])
+                        if store_by_producer:
+                            T.barrier_wait(o_free, (c + 1) % 2)
+                        T.copy(O0, O_sh[0:C, 0:H])
+                        T.copy(O1, O_sh[0:C, H:BV])
+                        if store_by_producer:
+                            T.barrier_arrive(o_ready)
+                        else:
+                            T.sync_threads(OUTPUT_BARRIER, WG)
+                            store_rows(o, O_sh, t0, h, v0, n_rows)
             else:
                 T.set_max_nreg(PRODUCER_REGS, 0)
                 if tx < 3 * WG + 32:  # loader: chunk c into stage c % 2 once every consumer freed it
@@ -264,18 +287,22 @@ def build_fused_fwd(dtype: str, block_v: int):
                         stage = c % 2
                         t0 = bos + c * C
                         T.barrier_wait(free[stage], (c // 2 + 1) % 2)
-                        T.tma_copy(q[t0:t0 + C, hk, 0:D], Q_s[stage, :, :], barrier=ready[stage])
+                        if store_states == 0:
+                            T.tma_copy(q[t0:t0 + C, hk, 0:D], Q_s[stage, :, :], barrier=ready[stage])
                         T.tma_copy(k[t0:t0 + C, hk, 0:D], K_s[stage, :, :], barrier=ready[stage])
                         T.tma_copy(v[t0:t0 + C, h, v0:v0 + BV], V_s[stage, :, :], barrier=ready[stage])
-                        T.tma_copy(Ab[t0:t0 + C, h, 0:C], Ab_s[stage, :, :], barrier=ready[stage])
+                        T.tma_copy(GA[t0:t0 + C, h, 0:C], GA_s[stage, :, :], barrier=ready[stage])
                         for r in T.Parallel(C):
-                            g_s[stage, r] = gcum[h, t0 + T.min(r, seq_len - c * C - 1)] * LOG2E
+                            token = t0 + T.min(r, seq_len - c * C - 1)
+                            g_s[stage, r] = gcum[h, token] * LOG2E
+                            b_s[stage, r] = beta[token, h]
                         T.barrier_arrive(ready[stage])
                 elif tx < 3 * WG + 96:
                     if store_by_producer:  # two warps store O (16 bytes per thread and store)
-                        for c in T.serial(n_chunks):
-                            T.barrier_wait(o_ready, c % 2)
-                            store_rows(o, O_sh, bos + c * C, h, v0, T.min(C, seq_len - c * C))
-                            T.barrier_arrive(o_free)
+                        if store_states == 0:
+                            for c in T.serial(n_chunks):
+                                T.barrier_wait(o_ready, c % 2)
+                                store_rows(o, O_sh, bos + c * C, h, v0, T.min(C, seq_len - c * C))
+                                T.barrier_arrive(o_free)
 
     return fused_fwd

@@ -58,7 +58,7 @@ def compiled_wy_inverse(dtype: str, with_wu: bool):
 
 @functools.lru_cache(maxsize=None)
 def compiled_chunk_wu(dtype: str):
-    """The compiled W and U of the chunks the summary walks read (chunk_wu.py) for `dtype`."""
+    """The compiled W and U of the chunks a walk reads (chunk_wu.py) for `dtype`."""
     return compile_from("chunk_wu", "build_chunk_wu", f"chunk_wu({dtype})", dtype)
 
 
@@ -170,15 +170,26 @@ def chunk_offsets_of(cu_seqlens: torch.Tensor) -> torch.Tensor:
 
 
 @dataclass
+class KeptInverse:
+    """What a forward keeps for its backward, so that the backward computes no second `wy_inverse`: its own
+    operand GA and the cumulative gates, 132 bytes per token and v-head (bf16) and nothing extra to write
+    (FlashQLA 0.1.3 keeps its A likewise)."""
+
+    GA: torch.Tensor  # [T, Hv, 64]  Gamma o A
+    gcum: torch.Tensor  # [Hv, T] fp32 chunk-local cumulative gate (natural log)
+
+
+@dataclass
 class ChunkedCall:
     """One forward call's kernel operands after `wy_inverse` (flat token layout, no host sync)."""
 
     q: torch.Tensor  # [T, Hqk, 128]
     k: torch.Tensor
     v: torch.Tensor  # [T, Hv, 128]
+    beta: torch.Tensor  # [T, Hv] fp32
     w: torch.Tensor | None  # [T, Hv, 128]  W = diag(gamma) A diag(beta) K (None without walk operands)
     u: torch.Tensor | None  # [T, Hv, 128]  U = (Gamma o A) diag(beta) V (likewise)
-    Ab: torch.Tensor  # [T, Hv, 64]  A diag(beta) (the fused kernel's operand); A itself when store_a
+    GA: torch.Tensor  # [T, Hv, 64]  Gamma o A = (I + StrictLower(diag(beta) K K^T))^{-1} with its gate mask
     gcum: torch.Tensor  # [Hv, T] fp32 chunk-local cumulative gate (natural log)
     cu: torch.Tensor  # int32 [N + 1]
     offsets: torch.Tensor  # int32 [N + 1] first chunk slot of every sequence
@@ -199,42 +210,63 @@ class ChunkedCall:
         kernel and its sums)."""
         self.w = self.u = None
 
+    def kept(self) -> KeptInverse:
+        """The inverse this call's backward can start from (`prepare_from_kept`)."""
+        return KeptInverse(self.GA, self.gcum)
 
-def prepare(q, k, v, g, beta, cu_seqlens, store_a: bool = False, chunk_offsets=None,
-            walk_operands: bool = True) -> ChunkedCall:
-    """wy_inverse over every chunk of q, k [B, T, Hqk, 128], v [B, T, Hv, 128], g, beta [B, T, Hv].
 
-    store_a: `Ab` holds A without beta (what the backward's chunk-local gradients need). chunk_offsets:
-    `chunk_offsets_of(cu_seqlens)` when the caller keeps it (a fixed layout), else computed here.
-    walk_operands: also compute W and U, which only the state walks read; the fused forward reads Ab and
-    gcum alone, and without them the kernel skips the V load, two products and 2 x T x Hv x 256 bytes
-    of stores (H200: docs/kernels.md, "Eleventh session") and is built with less shared memory and fewer
-    registers. `summaries` of a call without them computes W and U for the chunks its walks read."""
-    B, T, Hqk, _ = q.shape
-    Hv = v.shape[2]
-    device = q.device
-    dtype = _TORCH_TO_TL[q.dtype]
+def _layout(q, cu_seqlens, chunk_offsets):
+    """(cu int32 [N + 1], chunk offsets, chunk slots) of q [B, T, Hqk, 128]'s tokens, no host sync."""
+    B, T = q.shape[:2]
     if cu_seqlens is None:
-        cu = torch.arange(0, (B + 1) * T, T, dtype=torch.int32, device=device)
+        cu = torch.arange(0, (B + 1) * T, T, dtype=torch.int32, device=q.device)
     else:
         cu = cu_seqlens.to(torch.int32)
-    N = cu.numel() - 1
     offsets = chunk_offsets_of(cu) if chunk_offsets is None else chunk_offsets
     # every sequence adds at most one partial chunk: an upper bound on the chunk count without a sync
-    chunk_slots = (B * T + CHUNK - 1) // CHUNK + N
-    q3, k3 = q.view(B * T, Hqk, HEAD_DIM), k.view(B * T, Hqk, HEAD_DIM)
-    Ab = torch.empty(B * T, Hv, CHUNK, dtype=q.dtype, device=device)
+    return cu, offsets, (B * T + CHUNK - 1) // CHUNK + cu.numel() - 1
+
+
+def _flat(q, k, v, beta):
+    """q, k [T, Hqk, 128], v [T, Hv, 128] views and beta as fp32 [T, Hv] of [B, T, ...] inputs."""
+    B, T, Hqk, _ = q.shape
+    Hv = v.shape[2]
+    return (q.view(B * T, Hqk, HEAD_DIM), k.view(B * T, Hqk, HEAD_DIM), v.view(B * T, Hv, HEAD_DIM),
+            beta.view(B * T, Hv).float())
+
+
+def prepare(q, k, v, g, beta, cu_seqlens, chunk_offsets=None, walk_operands: bool = True) -> ChunkedCall:
+    """wy_inverse over every chunk of q, k [B, T, Hqk, 128], v [B, T, Hv, 128], g, beta [B, T, Hv].
+
+    chunk_offsets: `chunk_offsets_of(cu_seqlens)` when the caller keeps it (a fixed layout), else computed
+    here. walk_operands: also compute W and U, which only chunk_states' walks read; the fused forward (and
+    the backward's state recompute) reads GA, beta and gcum alone, and without them the kernel skips the V
+    load, two products and 2 x T x Hv x 256 bytes of stores (H200: docs/kernels.md, "Eleventh session")
+    and is built with less shared memory and fewer registers. `summaries` of a call without them computes
+    W and U for the chunks its walks read."""
+    B, T, _, _ = q.shape
+    Hv = v.shape[2]
+    device = q.device
+    cu, offsets, chunk_slots = _layout(q, cu_seqlens, chunk_offsets)
+    q3, k3, v3, beta2 = _flat(q, k, v, beta)
+    GA = torch.empty(B * T, Hv, CHUNK, dtype=q.dtype, device=device)
     gcum = torch.empty(Hv, B * T, dtype=torch.float32, device=device)
-    v3 = v.view(B * T, Hv, HEAD_DIM)
     if walk_operands:
         w, u = (torch.empty(B * T, Hv, HEAD_DIM, dtype=q.dtype, device=device) for _ in range(2))
     else:
         w = u = None
     # without walk operands v stands in for the W and U arguments (same shape; that build touches none)
-    compiled_wy_inverse(dtype, walk_operands)(k3, beta.view(B * T, Hv).float(), g.view(B * T, Hv), cu, offsets, v3,
-                                              Ab, gcum, v3 if w is None else w, v3 if u is None else u, chunk_slots,
-                                              N.bit_length(), int(store_a))
-    return ChunkedCall(q3, k3, v3, w, u, Ab, gcum, cu, offsets, chunk_slots, dtype)
+    compiled_wy_inverse(_TORCH_TO_TL[q.dtype], walk_operands)(
+        k3, beta2, g.view(B * T, Hv), cu, offsets, v3, GA, gcum, v3 if w is None else w, v3 if u is None else u,
+        chunk_slots, (cu.numel() - 1).bit_length())
+    return ChunkedCall(q3, k3, v3, beta2, w, u, GA, gcum, cu, offsets, chunk_slots, _TORCH_TO_TL[q.dtype])
+
+
+def prepare_from_kept(q, k, v, beta, kept: KeptInverse, cu_seqlens, chunk_offsets=None) -> ChunkedCall:
+    """What `prepare(..., walk_operands=False)` returns, from the forward's kept inverse: no kernel runs."""
+    cu, offsets, chunk_slots = _layout(q, cu_seqlens, chunk_offsets)
+    return ChunkedCall(*_flat(q, k, v, beta), None, None, kept.GA, kept.gcum, cu, offsets, chunk_slots,
+                       _TORCH_TO_TL[q.dtype])
 
 
 def block_v_on(device: torch.device, num_seqs: int, num_v_heads: int) -> int:
@@ -296,24 +328,25 @@ def summaries(x: ChunkedCall, with_transition: bool, active=None):
     starts at chunk a - 1 of its sequence (1 or True: the whole sequence; more: a warmup restart).
 
     When `x` was prepared without walk operands (a segmented forward whose last walk is fused), W and U
-    are computed here from Ab for the chunks these walks read, `chunk_wu.py` (`active` required)."""
+    are computed here from GA for the chunks these walks read, `chunk_wu.py`."""
     w = u = None
     if x.w is None:
-        if active is None:
-            raise ValueError("summaries of a call prepared without walk operands needs `active`")
         w, u = walk_operands_for(x, active)
     _, _, S_star, M = _launch_walk(x, None, store_chunks=False, store_final=True, with_transition=with_transition,
                                    active=active, w=w, u=u)
     return S_star, M
 
 
-def walk_operands_for(x: ChunkedCall, active):
-    """(W, U) [T, Hv, 128] of `x` in the rows the summary walks `active` ([2, N, Hv], `summaries`) read;
-    the other rows are never written."""
+def walk_operands_for(x: ChunkedCall, active, with_u: bool = True):
+    """(W, U or None) [T, Hv, 128] of `x` (chunk_wu) in the rows the walks `active` ([2, N, Hv], as
+    `summaries` takes it; None: every chunk) read; the other rows are never written."""
     # torch.empty, not empty_like: the GPU tests poison what torch.empty returns
-    w, u = (torch.empty(x.v.shape, dtype=x.v.dtype, device=x.v.device) for _ in range(2))
-    compiled_chunk_wu(x.dtype)(x.k, x.v, x.Ab, x.gcum, x.cu, x.offsets, active.to(torch.int32).reshape(-1), w, u,
-                               x.chunk_slots, x.num_seqs.bit_length())
+    w = torch.empty(x.v.shape, dtype=x.v.dtype, device=x.v.device)
+    u = torch.empty(x.v.shape, dtype=x.v.dtype, device=x.v.device) if with_u else None
+    if active is None:  # walks of every sequence and head from its first chunk
+        active = torch.ones(2 * x.num_seqs * x.num_v_heads, dtype=torch.int32, device=x.v.device)
+    compiled_chunk_wu(x.dtype)(x.k, x.v, x.GA, x.beta, x.gcum, x.cu, x.offsets, active.to(torch.int32).reshape(-1), w,
+                               w if u is None else u, x.chunk_slots, x.num_seqs.bit_length(), int(with_u))
     return w, u
 
 
@@ -349,12 +382,15 @@ def output(x: ChunkedCall, h, vnew, scale: float) -> torch.Tensor:
     return o
 
 
-def chunk_gdn_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, fused=True):
+def chunk_gdn_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, fused=True,
+                  keep_inverse=False):
     """Forward of GDN chunked prefill on SM90. Inputs validated and contiguous by the caller.
 
     q, k [B, T, Hqk, 128]; v [B, T, Hv, 128]; g fp32 [B, T, Hv] (natural log); beta [B, T, Hv];
     initial_state fp32 [N, Hv, 128, 128] or None; cu_seqlens [N + 1] (B == 1) or None.
-    Returns o [B, T, Hv, 128] in q's dtype and the fp32 final state [N, Hv, 128, 128] or None.
+    Returns o [B, T, Hv, 128] in q's dtype and the fp32 final state [N, Hv, 128, 128] or None, and with
+    keep_inverse a third item, the `KeptInverse` for `chunk_gdn_bwd` (references to the forward's own GA and
+    gates: nothing more is computed or stored).
 
     Fused (the default): wy_inverse, then fused_fwd (one walk computing the outputs too). fused=False runs
     the split decomposition instead, wy_inverse (W, U, gcum per chunk), chunk_states (the serial walk),
@@ -368,9 +404,10 @@ def chunk_gdn_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu
     x = prepare(q, k, v, g, beta, cu_seqlens, walk_operands=not fused)
     if fused:
         o, ht = fused_forward(x, v, initial_state, scale, output_final_state)
-        return o.view(v.shape), ht
-    h, vnew, ht = walk(x, initial_state, store_final=output_final_state)
-    return output(x, h, vnew, scale).view(v.shape), ht
+    else:
+        h, vnew, ht = walk(x, initial_state, store_final=output_final_state)
+        o = output(x, h, vnew, scale)
+    return (o.view(v.shape), ht, x.kept()) if keep_inverse else (o.view(v.shape), ht)
 
 
 def fused_forward(x: ChunkedCall, v, h0, scale: float, store_final: bool):
@@ -379,7 +416,20 @@ def fused_forward(x: ChunkedCall, v, h0, scale: float, store_final: bool):
     h0_arg, ht, ht_arg = _state_buffers(x, h0, store_final)
     v3 = v.reshape(-1, x.num_v_heads, HEAD_DIM)
     o = torch.empty_like(v3)
+    no_states = torch.empty(1, x.num_v_heads, HEAD_DIM, HEAD_DIM, dtype=v3.dtype, device=v3.device)
     compiled_fused_fwd(x.dtype, block_v_on(x.q.device, x.num_seqs, x.num_v_heads))(
-        x.q, x.k, v3, x.Ab, x.gcum, x.cu, h0_arg, o, ht_arg, float(scale),
-        int(h0 is not None), int(store_final))
+        x.q, x.k, v3, x.GA, x.beta, x.gcum, x.cu, x.offsets, h0_arg, o, ht_arg, no_states, float(scale),
+        int(h0 is not None), int(store_final), 0)
     return o, ht
+
+
+def fused_states(x: ChunkedCall, h0):
+    """The state entering every chunk of `x` from h0 (fp32 [N, Hv, 128, 128] or None), h [chunk_slots, Hv,
+    128, 128] in the input dtype: fused_fwd's state walk from GA, beta and the gates (no O, no W and U).
+    The backward's recompute."""
+    h0_arg, _, placeholder = _state_buffers(x, h0, False)
+    h = torch.empty(x.chunk_slots, x.num_v_heads, HEAD_DIM, HEAD_DIM, dtype=x.v.dtype, device=x.v.device)
+    compiled_fused_fwd(x.dtype, block_v_on(x.q.device, x.num_seqs, x.num_v_heads))(
+        x.q, x.k, x.v, x.GA, x.beta, x.gcum, x.cu, x.offsets, h0_arg, x.v, placeholder, h, 1.0,
+        int(h0 is not None), 0, 1)
+    return h

@@ -3,24 +3,24 @@
 For every 64-token chunk of every packed sequence and every v-head h (reading k-head h // (Hv/Hqk)):
 
     A    = (I + StrictLower(diag(beta) K K^T))^{-1}                     [64 x 64]
-    Ab   = Gamma o (A diag(beta))                                      [64 x 64], the fused forward's operand
+    GA   = Gamma o A                                                   [64 x 64], the fused forward's operand
     W    = diag(gamma) A diag(beta) K                                  [64 x 128]  (docs/algorithm.md W1)
-    U    = Ab V                                                        [64 x 128]  (W2)
+    U    = (GA diag(beta)) V                                           [64 x 128]  (W2)
     gcum = cumsum_{t <= r} g_t                                         [64], fp32, natural log,
                                                                        stored head-major [Hv, T]
 
-Ab, W and U are stored in the input dtype. diag(beta) is folded into the columns of A because the
-forward only ever uses A diag(beta), and the gate factor Gamma commutes with that column scaling; the
-lower-triangular decay mask Gamma (exp2 of base-2 gate differences, each <= 0) is applied before the one
-rounding to the input dtype, so the fused walk uses Ab as it is. The backward needs A itself (its dbeta
-and dA terms, chunk_bwd_local.py): with the runtime flag `store_a` the `Ab` output holds
-A = (I + StrictLower(diag(beta) K K^T))^{-1} instead (W and U are unchanged).
-Built with `with_wu=False` (the forward's build) the kernel stops after Ab and gcum: the fused forward
+GA, W and U are stored in the input dtype. The lower-triangular decay mask Gamma (exp2 of base-2 gate
+differences, each <= 0) is applied before the one rounding to the input dtype, so the fused walk uses GA
+as it is (beta scales the rows of the V tile it multiplies: V' = GA diag(beta) Vd). GA keeps beta out so
+that the backward can read it as well (chunk_bwd_local.py: every A term there has an exact GA form, and a
+column scaled by beta = 0 could not be undone): a forward whose backward will run keeps GA and gcum, and
+the backward computes no second inverse.
+Built with `with_wu=False` (the forward's build) the kernel stops after GA and gcum: the fused forward
 reads nothing else, so the V load, the two products and the W/U stores (2 x 256 bytes per token and
-v-head) are skipped, `v`, `w`, `u` are never touched, and without that branch K, L and Ab share one
+v-head) are skipped, `v`, `w`, `u` are never touched, and without that branch K, L and GA share one
 buffer: 32.5 KiB of shared memory and 96 registers, 5 CTAs per SM, where the build with W and U needs
-48.5 KiB and 112 (4). The segmented forward gets W and U of the chunks its summary walks read from
-chunk_wu.py. The inverse needs no exp; the gates enter only Ab, W and U.
+48.5 KiB and 112 (4). The segmented forward and the backward get W (and U) of the chunks their walks read
+from chunk_wu.py. The inverse needs no exp; the gates enter only GA, W and U.
 
 Chunks never straddle sequences. CTA c of the grid finds its sequence by binary search in
 `chunk_offsets` (exclusive prefix sum of chunks per sequence; `search_steps` = bit length of N); CTAs past the last chunk and rows past the
@@ -36,10 +36,11 @@ Schedule (one warpgroup, 128 threads, per (chunk, v-head)):
   3. merge 16 -> 32: X21 = -D1^{-1} L21 D0^{-1} for both 32-blocks (fp32, each thread 4 rows of a column);
   4. merge 32 -> 64: X21 = -P1^{-1} L21 P0^{-1} (fp32, each thread 8 rows of a column); both merges stage
      L21 X11 in the upper-right block of X (zero in X, zeroed again after use);
-  5. scale columns by beta and mask by Gamma, store Ab (from its shared tile, 16 bytes per thread and
-     store, unless store_a); with W and U: load the V tile into the bytes X leaves; W =
-     diag(gamma) ((A diag(beta)) K), then U = Ab V on tensor cores through one fp32 accumulator, each staged as the input dtype
-     through its input tile so the rows that exist are stored 16 bytes at a time.
+  5. mask by Gamma, store GA (from its shared tile, 16 bytes per thread and store); with W and U: the
+     same tile then holds Gamma o (A diag(beta)), load the V tile into the bytes X leaves; W =
+     diag(gamma) ((A diag(beta)) K), then U = (Gamma o (A diag(beta))) V on tensor cores through one fp32
+     accumulator, each staged as the input dtype through its input tile so the rows that exist are
+     stored 16 bytes at a time.
 Steps 2-4 on CUDA cores in fp32 replaced a barrier per substituted row and TF32 tensor-core merges
 (H200, 2026-11-30: 0.34 -> 0.24 ms at (2, 8) x 32K tokens, 1.25 -> 0.94 ms at (16, 32)). The late V
 load, the in-X staging, one accumulator and beta/g laid out after the big tiles take the CTA from 158
@@ -58,7 +59,7 @@ LOG2E = 1.4426950408889634
 
 def build_wy_inverse(dtype: str, with_wu: bool = True):
     """Build the prim_func for q/k/v dtype `dtype` ("bfloat16" or "float16"); all sizes are dynamic.
-    with_wu=False builds the forward's kernel: Ab and gcum only (`v`, `w`, `u` are not read or written)."""
+    with_wu=False builds the forward's kernel: GA and gcum only (`v`, `w`, `u` are not read or written)."""
     num_tokens = T.dynamic("num_tokens")
     num_qk_heads = T.dynamic("num_qk_heads")
     num_v_heads = T.dynamic("num_v_heads")
@@ -73,13 +74,12 @@ def build_wy_inverse(dtype: str, with_wu: bool = True):
         cu_seqlens: T.Tensor((num_seqs + 1,), "int32"),
         chunk_offsets: T.Tensor((num_seqs + 1,), "int32"),
         v: T.Tensor((num_tokens, num_v_heads, D), dtype),
-        Ab: T.Tensor((num_tokens, num_v_heads, C), dtype),
+        GA: T.Tensor((num_tokens, num_v_heads, C), dtype),
         gcum: T.Tensor((num_v_heads, num_tokens), "float32"),
         w: T.Tensor((num_tokens, num_v_heads, D), dtype),
         u: T.Tensor((num_tokens, num_v_heads, D), dtype),
         num_chunk_slots: T.int32,
         search_steps: T.int32,
-        store_a: T.int32,
     ):
         with T.Kernel(num_chunk_slots, num_v_heads, threads=128) as (chunk, h):
             hk = h // (num_v_heads // num_qk_heads)
@@ -90,7 +90,7 @@ def build_wy_inverse(dtype: str, with_wu: bool = True):
             KKt = T.alloc_fragment((C, C), "float32")
             L_sh = T.alloc_shared((C, C), "float32")
             X_sh = T.alloc_shared((C, C), "float32")
-            GAb_sh = T.alloc_shared((C, C), dtype)
+            GA_sh = T.alloc_shared((C, C), dtype)  # GA; with W and U then Gamma o (A diag(beta)) for U
             col = T.alloc_local((16,), "float32")  # step 3: this thread's column of a diagonal block
             acc = T.alloc_local((4,), "float32")
             acc8 = T.alloc_local((8,), "float32")
@@ -187,32 +187,30 @@ def build_wy_inverse(dtype: str, with_wu: bool = True):
                 X_sh[rg + r, 32 + c3] = 0.0
             T.sync_threads()
 
-            # --- the forward's Ab = Gamma o (X diag(beta)) (its gate mask applied once here, so the fused walk
-            # takes it as a product operand), or A = X for the backward; rows that exist ---------------
+            # --- GA = Gamma o X (its gate mask applied once here, so the fused walk takes it as a product
+            # operand); rows that exist, from its tile, 16 bytes per thread and store -------------------
             for r, s in T.Parallel(C, C):
-                GAb_sh[r, s] = T.if_then_else(
-                    r >= s, T.cast(X_sh[r, s] * beta_sh[s] * T.exp2((g_sh[r] - g_sh[s]) * LOG2E), dtype),
-                    T.cast(0, dtype))
-            if store_a != 0:
-                for r, s in T.Parallel(C, C):
-                    if r < n_rows:
-                        Ab[start + r, h, s] = T.cast(X_sh[r, s], dtype)
-            else:  # Ab leaves from its tile, 16 bytes per thread and store
-                T.sync_threads()
-                for r, s in T.Parallel(C, C):
-                    if r < n_rows:
-                        Ab[start + r, h, s] = GAb_sh[r, s]
+                GA_sh[r, s] = T.if_then_else(
+                    r >= s, T.cast(X_sh[r, s] * T.exp2((g_sh[r] - g_sh[s]) * LOG2E), dtype), T.cast(0, dtype))
+            T.sync_threads()
+            for r, s in T.Parallel(C, C):
+                if r < n_rows:
+                    GA[start + r, h, s] = GA_sh[r, s]
 
             if with_wu:  # a build-time branch: the forward-only build plans its shared memory without it
-                # --- W = diag(gamma) (X diag(beta)) K,  U = Ab V  (Gamma_rs gamma_s = gamma_r) ---------------
+                # --- W = diag(gamma) (X diag(beta)) K,  U = (Gamma o (X diag(beta))) V ---------------------
                 # V is loaded only now, into the space X no longer needs (fewer bytes live at once, more
                 # CTAs per SM), in flight during the W product; both staged through their input tiles for
                 # 16-byte row stores
                 V_sh = T.alloc_shared((C, D), dtype)
                 Ab_sh = T.alloc_shared((C, C), dtype)
                 WU = T.alloc_fragment((C, D), "float32")  # W, then U (one accumulator: 64 registers per thread)
+                T.sync_threads()  # GA's stores read its tile
                 for r, s in T.Parallel(C, C):
                     Ab_sh[r, s] = T.cast(X_sh[r, s] * beta_sh[s], dtype)
+                    GA_sh[r, s] = T.if_then_else(
+                        r >= s, T.cast(X_sh[r, s] * beta_sh[s] * T.exp2((g_sh[r] - g_sh[s]) * LOG2E), dtype),
+                        T.cast(0, dtype))
                 T.sync_threads()  # V takes the bytes of X, which the loop above read
                 T.async_copy(v[start:start + C, h, 0:D], V_sh)
                 T.gemm(Ab_sh, K_sh, WU, clear_accum=True)
@@ -226,7 +224,7 @@ def build_wy_inverse(dtype: str, with_wu: bool = True):
                         if r >= n_rows:
                             V_sh[r, d] = T.cast(0, dtype)
                     T.sync_threads()
-                T.gemm(GAb_sh, V_sh, WU, clear_accum=True)
+                T.gemm(GA_sh, V_sh, WU, clear_accum=True)
                 T.sync_threads()
                 for r, d in T.Parallel(C, D):
                     V_sh[r, d] = T.cast(WU[r, d], dtype)

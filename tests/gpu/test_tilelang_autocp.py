@@ -98,18 +98,18 @@ def test_segment_chain_kernel_matches_the_float64_fold(reverse, block_v):
 
 
 def test_chunk_wu_writes_the_chunks_the_summary_walks_read_as_wy_inverse_does(poisoned_outputs):
-    """chunk_wu's W = Ab diag(gamma) K and U = Ab V from the forward build's gated Ab equal the W and U the
-    build with them stores, in every chunk from the first one a walk reads (M walks: all; S* walks from
-    a - 1; none where neither runs), and leave the other rows unwritten (NaN-poisoned); the two builds'
-    Ab and gcum are bitwise equal. A pack with 1- and 65-token sequences, GQA 2 -> 8, g = 0 and strong
-    decay heads."""
+    """chunk_wu's W = GA diag(beta gamma) K and U = GA diag(beta) V from the forward build's GA equal the W and
+    U the build with them stores, in every chunk from the first one a walk reads (M walks: all; S* walks
+    from a - 1; none where neither runs), and leave the other rows unwritten (NaN-poisoned); the two
+    builds' GA and gcum are bitwise equal. A pack with 1- and 65-token sequences, GQA 2 -> 8, g = 0 and
+    strong decay heads. W alone (the backward's) equals the W of the same call with U."""
     from flashqla.kernels.hopper import launch, prepare
 
     call = make_call([1000, 65, 1, 2030], 2, 8, seed=6)
     args = [call[n] for n in ("q", "k", "v", "g", "beta")] + [call["cu_seqlens"]]
     with_wu = prepare(*args)
     x = prepare(*args, walk_operands=False)
-    assert torch.equal(x.Ab, with_wu.Ab) and torch.equal(x.gcum, with_wu.gcum)
+    assert torch.equal(x.GA, with_wu.GA) and torch.equal(x.gcum, with_wu.gcum)
     gen = torch.Generator(device="cuda").manual_seed(12)
     chunks = (call["cu_seqlens"].diff() + 63) // 64  # [N]
     N, Hv = chunks.numel(), 8
@@ -128,6 +128,8 @@ def test_chunk_wu_writes_the_chunks_the_summary_walks_read_as_wy_inverse_does(po
         assert got[~read].isnan().all()
         assert not got[read].isnan().any()
         assert rel_err(got[read], want[read].double()) <= TOL, rel_err(got[read], want[read].double())
+    w_alone, no_u = launch.walk_operands_for(x, active, with_u=False)
+    assert no_u is None and torch.equal(w_alone[read], w[read]) and w_alone[~read].isnan().all()
 
 
 def test_segmented_step_and_cp_hand_offs_issue_no_host_sync():

@@ -93,6 +93,14 @@ def test_forced_intra_card_segments(cp_warmup, poisoned_outputs):
     assert_grads_match(make_call([700, 65, 1, 500], 2, 8, seed=6), intra_cp=3, cp_warmup=cp_warmup)
 
 
+@pytest.mark.parametrize("intra_cp", ["off", 3])
+def test_backward_that_recomputes_the_inverse(intra_cp, poisoned_outputs, monkeypatch):
+    """FLASHQLA_KEEP_INVERSE=0: the forward keeps no A and the backward runs wy_inverse again (store_a); every
+    other test here takes the default, the backward forming W and U from the forward's A (chunk_wu from A)."""
+    monkeypatch.setenv("FLASHQLA_KEEP_INVERSE", "0")
+    assert_grads_match(make_call([1, 65, 64, 130, 7, 200, 1, 129], 2, 6, seed=8), intra_cp=intra_cp)
+
+
 def test_32k_sequence_against_float64_chunked_reference():
     """512 chunks: the long-sequence precision check. Oracle: the torch backend in float64 (itself checked
     against the token recurrence on CPU), on the same bf16 inputs."""
