@@ -242,6 +242,7 @@ def _cp_work_order(rank, world):
 
     import flashqla
     from flashqla.cp import build_cp_context, inter, segments
+    from flashqla.kernels import hopper as hopper_kernels
     from flashqla.ops import backends
 
     patches = pytest.MonkeyPatch()
@@ -256,6 +257,8 @@ def _cp_work_order(rank, world):
     for name in ("forward_summaries", "_segment_summaries", "forward_chain", "forward_walk", "backward_prologue",
                  "entering_gradient", "backward_finish"):
         recorded(segments, name)
+    for name in ("prepare", "prepare_from_kept"):  # the WY inverse, or the forward's kept one
+        recorded(hopper_kernels, name)
     recorded(inter._Exchange, "wait")
     args, cu = call([640], Hqk=1, Hv=2, with_h0=False, seed=8)
     part = 640 // world
@@ -268,13 +271,15 @@ def _cp_work_order(rank, world):
     patches.undo()
     # rank 0 sends the state (its own chain's, before its walk) and receives the exit gradient; rank 1 sends
     # the gradient of its entering state (from its own backward prologue) and receives the state
-    expected_forward = ["forward_summaries", "_segment_summaries", "forward_chain", "forward_walk", "wait"]
-    expected_backward = ["backward_prologue", "wait", "backward_finish"]
+    expected_forward = ["forward_summaries", "prepare", "_segment_summaries", "forward_chain", "forward_walk", "wait"]
+    expected_backward = ["backward_prologue", "prepare_from_kept", "wait", "backward_finish"]
     if rank == 1:
-        expected_forward = ["forward_summaries", "_segment_summaries", "wait", "forward_chain", "forward_walk"]
-        expected_backward = ["backward_prologue", "entering_gradient", "backward_finish", "wait"]
+        expected_forward = ["forward_summaries", "prepare", "_segment_summaries", "wait", "forward_chain",
+                            "forward_walk"]
+        expected_backward = ["backward_prologue", "prepare_from_kept", "entering_gradient", "backward_finish", "wait"]
     assert forward_events == expected_forward, (rank, forward_events)
-    assert events == expected_backward, (rank, events)  # no _segment_summaries: the forward kept the starts
+    # no _segment_summaries and no WY inverse: the forward kept the starts and its inverse
+    assert events == expected_backward, (rank, events)
 
 
 @pytest.mark.multiprocess
@@ -283,8 +288,8 @@ def test_inter_card_cp_overlaps_the_exchange_and_reuses_the_forward_starts():
     takes it from its own summaries and chain, and walks while the exchange is in flight; the rank that
     receives it runs its WY inverse and summaries before it waits, and only the chain and walk after.
     Backward: the gradient sent back comes from the receiving rank's own prologue; the rank that receives
-    the exit gradient runs its prologue (WY inverse, reverse walks) before the wait; neither rank's
-    backward recomputes the segment summaries (the forward kept its starts)."""
+    the exit gradient runs its prologue (reverse walks) before the wait; neither rank's backward recomputes
+    the segment summaries or the WY inverse (the forward kept its starts and its inverse)."""
     from multiprocess import run_on_ranks
 
     run_on_ranks(2, _cp_work_order)

@@ -162,7 +162,7 @@ def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
 
 class InterCardCPFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, g, beta, scale, cp: CPContext, plan, cp_warmup, backend):
+    def forward(ctx, q, k, v, g, beta, scale, cp: CPContext, plan, cp_warmup, backend, keep_inverse):
         Hv, K, V = v.shape[2], q.shape[3], v.shape[3]
         dtype = reference.work_dtype(q)
         S_star = q.new_zeros((len(cp.pieces), Hv, K, V), dtype=dtype)
@@ -175,7 +175,8 @@ class InterCardCPFunction(torch.autograd.Function):
             # the kernels give it before the walk (a sequence that started in this part), else the span
             # summary of that sequence (a sequence spanning the part, or off the segmented kernel path)
             split = None if call.entering is not None else backends.forward_passing_state(
-                backend, call.op_call(q, k, v, g, beta), scale, _range_plan(plan, call.bounds), cp_warmup)
+                backend, call.op_call(q, k, v, g, beta), scale, _range_plan(plan, call.bounds), cp_warmup,
+                keep_inverse)
             if split is not None:
                 S_star[call.slot], walks[call.start] = split
                 continue
@@ -196,10 +197,11 @@ class InterCardCPFunction(torch.autograd.Function):
                 outputs[call.start], _, call.kept = walks[call.start]()
             elif call.entering is None:
                 outputs[call.start], _, call.kept = backends.forward(backend, op_call, scale, call.leaving is not None,
-                                                                     plan_of_call, cp_warmup, for_backward=True)
+                                                                     plan_of_call, cp_warmup, for_backward=True,
+                                                                     keep_inverse=keep_inverse)
             else:
                 waiting.append((call, backends.forward_in_two(backend, op_call, scale, call.leaving is not None,
-                                                              plan_of_call, cp_warmup)))
+                                                              plan_of_call, cp_warmup, keep_inverse)))
         states, mats = exchange.wait()
         S_enter = _fold_forward(cp, states, mats)
         for call, finish in waiting:
@@ -253,7 +255,7 @@ class InterCardCPFunction(torch.autograd.Function):
             dht[-1] = X[call.leaving]
             grads[call.start] = finish(dht)
         dq, dk, dv, dg, dbeta = (_joined([grads[call.start][i] for call in calls]) for i in range(5))
-        return dq, dk, dv, dg, dbeta, None, None, None, None, None
+        return dq, dk, dv, dg, dbeta, None, None, None, None, None, None
 
 
 def _sequence_span(cp: CPContext, n: int) -> tuple[int, int]:

@@ -106,13 +106,9 @@ def chunk_gated_delta_rule(
     check_cp_arguments(intra_cp, cp_warmup)
     scale, q, k, v, g, beta = _prepare(scale, options, q, k, v, g, beta)
     plan, name = _plan_and_backend(q, k, v, g, beta, initial_state, cu_seqlens, bounds, backend, intra_cp)
-    # the WY inverse is kept only where a backward will run (inside forward, grad mode is always off)
-    keep_inverse = (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in
-                                                     (q, k, v, g, beta, initial_state))
-                    and backends.keeps_inverse())
     o, final_state = ChunkGatedDeltaRuleFunction.apply(
         q, k, v, g, beta, initial_state, float(scale), bool(output_final_state), cu_seqlens, plan, cp_warmup, name,
-        keep_inverse
+        _keeps_inverse(q, k, v, g, beta, initial_state)
     )
     return o, state_to_caller_layout(options, final_state)
 
@@ -138,8 +134,16 @@ def _with_cp_context(q, k, v, g, beta, scale, initial_state, output_final_state,
     scale, q, k, v, g, beta = _prepare(scale, options, q, k, v, g, beta)
     plan, name = _plan_and_backend(q, k, v, g, beta, None, cp_context.cu_seqlens, list(cp_context.local_bounds),
                                    backend, intra_cp)
-    o = inter.InterCardCPFunction.apply(q, k, v, g, beta, float(scale), cp_context, plan, cp_warmup, name)
+    o = inter.InterCardCPFunction.apply(q, k, v, g, beta, float(scale), cp_context, plan, cp_warmup, name,
+                                        _keeps_inverse(q, k, v, g, beta))
     return o, None
+
+
+def _keeps_inverse(*inputs) -> bool:
+    """Whether the forward keeps its WY inverse for the backward (backends.keeps_inverse): only where a
+    backward will run, which the autograd Function's forward cannot tell (grad mode is off inside it)."""
+    return (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs)
+            and backends.keeps_inverse())
 
 
 def _prepare(scale, options, q, k, v, g, beta):
