@@ -37,7 +37,7 @@ from .plan import SegmentPlan
 @dataclass
 class Kept:
     """What a forward on the kernels leaves for its backward (flashqla/ops/backends.py): the segments'
-    (S_{j,0}, M_j, exact) (None unsegmented, or not kept) and the WY inverse (the kernels' `KeptInverse`: A
+    (S_{j,0}, M_j, exact) (None unsegmented, or not kept) and the WY inverse (the kernels' `KeptInverse`: GA
     and the cumulative gates, so the backward runs no second wy_inverse; None: recomputed)."""
 
     starts: tuple | None = None

@@ -11,10 +11,10 @@ Forward, three launches: `wy_inverse` (W, U and the chunk-local cumsum of g, per
 `chunk_states` (the serial state walk per sequence, v-head and V tile), `chunk_output` (all chunks at
 once); or `wy_inverse` without W and U, then `fused_fwd` (one walk computing the outputs too). The
 segmented forward (flashqla/cp/segments.py) adds `chunk_wu` (W and U of the chunks its summary walks read)
-and `segment_chain`. Backward (`chunk_gdn_bwd`, backward.py): `wy_inverse` and `chunk_states` again, the reverse walk
-`chunk_dstates`, then `chunk_bwd_local` (every chunk's gradients at once); a forward whose backward will
-run keeps A and the cumulative gates (`KeptInverse`), and its backward forms W and U from them
-(`chunk_wu` from A) instead of the second `wy_inverse`. Intra-card and inter-card CP
+and `segment_chain`. Backward (`chunk_gdn_bwd`, backward.py): from the forward's kept GA and gates
+(`KeptInverse`; `wy_inverse` again when it kept none), `chunk_wu` (W alone), `fused_fwd`'s state walk (the
+state entering every chunk) beside the reverse walk `chunk_dstates`, then `chunk_bwd_local` (every chunk's
+gradients at once) and `gqa_sum`. Intra-card and inter-card CP
 (flashqla/cp) compose the same pieces: prepare, walk, summaries, fold_segments, output, state_gradients,
 backward_of.
 Nothing here imports tilelang or touches CUDA at import time; kernels compile on first use (or load

@@ -11,8 +11,9 @@
 
 Of the forward the backward reads its inputs and, when kept, GA and the cumulative gates (the forward's own
 tensors: 132 bytes per token and v-head held until the backward). The kernels read dO as given and apply the
-output scale themselves; the host casts dg and dbeta. Sequences of any length, GQA, initial state and dht as in the
-forward. Intra-card CP (flashqla/cp/segments.py) runs the same steps with its segments as the sequences.
+output scale themselves; the host casts dg and dbeta. Sequences of any length, GQA, initial state and dht as
+in the forward. Intra-card CP (flashqla/cp/segments.py) runs the same steps with its segments as the
+sequences.
 """
 from __future__ import annotations
 

@@ -114,7 +114,7 @@ def build_chunk_bwd_local(dtype: str):
             CD2_s = T.alloc_shared((C, D), dtype)  # V_new, then dVd (after the last use of V_new)
             dVn_s = T.alloc_shared((C, D), dtype)
             GA_s = T.alloc_shared((C, C), dtype)  # Gamma o A
-            CC1_s = T.alloc_shared((C, C), dtype)  # P, then dP o Gamma, then dA
+            CC1_s = T.alloc_shared((C, C), dtype)  # P, then dP o Gamma, then Lower(dGamma_A)
             CC2_s = T.alloc_shared((C, C), dtype)  # GA^T Lower(dGamma_A), then G
             E_sh = T.alloc_shared((C, C), "float32")  # E_P, then E_A (column sums)
             gc_sh = T.alloc_shared((C,), "float32")
