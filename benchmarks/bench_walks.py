@@ -47,7 +47,7 @@ def main():
             run_states = functools.partial(states, x.k, x.w, x.u, x.gcum, x.cu, x.offsets, unused, h, vnew, unused,
                                            0, 0, 1, 1)
             run_dstates = functools.partial(dstates, x.q, x.k, x.w, do, x.gcum, x.cu, x.offsets, unused, h, dS0,
-                                            D ** -0.5, 0, 1)
+                                            D ** -0.5, 0, 1, 1)
             run_states(), run_dstates()
             states_ms, dstates_ms = eager_median_ms(run_states, args.reps), eager_median_ms(run_dstates, args.reps)
             cells.append(f"{states_ms:8.3f} ms {dstates_ms:8.3f} ms")

@@ -173,7 +173,7 @@ def emulate_fused_fwd(q, k, v, GA, beta, gcum, cu, offsets, h0, o, ht, h_out, sc
             ht[n * Hv:(n + 1) * Hv] = S.to(ht.dtype)
 
 
-def emulate_chunk_dstates(q, k, w, do, gcum, cu, offsets, dht, dh_out, dh0, scale, use_dht, store_dh0):
+def emulate_chunk_dstates(q, k, w, do, gcum, cu, offsets, dht, dh_out, dh0, scale, use_dht, store_dh0, store_dh):
     Hv, D = w.shape[1], w.shape[2]
     hk = _qk_heads(q.shape[1], Hv)
     chunks = list(_chunks(cu))
@@ -182,7 +182,8 @@ def emulate_chunk_dstates(q, k, w, do, gcum, cu, offsets, dht, dh_out, dh0, scal
         for _, c, t0, rows in reversed([ch for ch in chunks if ch[0] == n]):
             _, gamma, Gamma, gamma_last, to_end = _gates(gcum, t0, rows)
             Q, K, dOs = _rows(q, t0, rows, hk), _rows(k, t0, rows, hk), scale * _rows(do, t0, rows)
-            dh_out[offsets[n] + c] = dS.to(dh_out.dtype)
+            if store_dh:
+                dh_out[offsets[n] + c] = dS.to(dh_out.dtype)
             P = Gamma * (Q @ K.transpose(-1, -2))
             X = P.transpose(-1, -2) @ dOs + to_end[:, :, None] * (K @ dS)
             dS = (gamma_last[:, :, None] * dS + Q.transpose(-1, -2) @ (gamma[:, :, None] * dOs)

@@ -461,7 +461,8 @@ def test_backward_reads_the_inverse_its_forward_kept(hopper, monkeypatch, intra_
     """A forward whose backward will run keeps its GA and gates, and its backward runs no wy_inverse (with
     FLASHQLA_KEEP_INVERSE=0 it runs the forward's build again); either way the backward's states come from
     fused_fwd's state walk and W alone from chunk_wu (no U, no chunk_states), unsegmented and with
-    intra-card segments, and the gradients are the torch backend's. Under no_grad nothing is kept."""
+    intra-card segments (whose walk from zero stores no per-chunk dS), and the gradients are the torch
+    backend's. Under no_grad nothing is kept."""
     import flashqla
     from flashqla.kernels.hopper import backward, launch
     from flashqla.ops import backends
@@ -484,6 +485,7 @@ def test_backward_reads_the_inverse_its_forward_kept(hopper, monkeypatch, intra_
     spy("compiled_chunk_wu", lambda build, args: (args[-1],))  # store_u
     spy("compiled_fused_fwd", lambda build, args: (args[-1],))  # store_states
     spy("compiled_chunk_states", lambda build, args: ())
+    spy("compiled_chunk_dstates", lambda build, args: (args[-1],))  # store_dh
     kept_flags = []
     real_forward = backends.forward
     monkeypatch.setattr(backends, "forward", lambda *a, **kw: kept_flags.append(kw.get("keep_inverse"))
@@ -510,7 +512,10 @@ def test_backward_reads_the_inverse_its_forward_kept(hopper, monkeypatch, intra_
             backward_launches = sorted(launches)
     assert kept_flags[1] == (keep == "1")
     recompute = [] if keep == "1" else [("wy_inverse", False)]
-    assert backward_launches == sorted(recompute + [("chunk_wu", 0), ("fused_fwd", 1)]), backward_launches
+    # the reverse walk stores every chunk's dS for the chunk-local kernel; the segments' walk from zero (D_j)
+    # wants dS0 alone
+    walks = [("chunk_dstates", 1)] + ([] if intra_cp == "off" else [("chunk_dstates", 0)])
+    assert backward_launches == sorted(recompute + walks + [("chunk_wu", 0), ("fused_fwd", 1)]), backward_launches
     limits = (1e-2, 1e-2, 1e-2, 2e-2, 2e-2, 1e-2)
     for name, a, b, limit in zip(names, grads["tilelang"], grads["torch"], limits):
         assert rel_err(a, b) <= limit, (name, rel_err(a, b))

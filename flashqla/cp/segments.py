@@ -326,7 +326,7 @@ def backward_prologue(hopper, q, k, v, g, beta, scale, initial_state, plan: Segm
         S_star, M, exact = _segment_summaries(hopper, x, idx, cp_warmup, initial_state is not None, dht_given)
         starts = (_chain(hopper, S_star, M, exact, idx, initial_state), M, exact)
     do = hopper.output_gradient(x, do)
-    _, D = hopper.state_gradients(x, do, scale, None)
+    _, D = hopper.state_gradients(x, do, scale, None, store_dh=False)  # dS0 alone: no per-chunk dS stored
     return BackwardPrologue(idx, packed, x, starts, do, scale, D, tuple(t.shape for t in (q, k, v, g, beta)),
                             initial_state is not None)
 

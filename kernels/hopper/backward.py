@@ -54,20 +54,21 @@ def output_gradient(x: ChunkedCall, do: torch.Tensor) -> torch.Tensor:
     return do.reshape(x.v.shape).to(x.v.dtype).contiguous()
 
 
-def state_gradients(x: ChunkedCall, do: torch.Tensor, scale: float, dht):
+def state_gradients(x: ChunkedCall, do: torch.Tensor, scale: float, dht, store_dh: bool = True):
     """chunk_dstates over every sequence of `x` from dO (`output_gradient`) with the output scale and dht
-    (fp32 [N, Hv, 128, 128], or None for zero): (dh [chunk_slots, Hv, 128, 128] in the input dtype,
-    dS0 fp32 [N, Hv, 128, 128]). Computes x's W (chunk_wu, every chunk) when x has none."""
+    (fp32 [N, Hv, 128, 128], or None for zero): (dh [chunk_slots, Hv, 128, 128] in the input dtype, or None
+    without store_dh, dS0 fp32 [N, Hv, 128, 128]). Computes x's W (chunk_wu, every chunk) when x has none."""
     N, Hv, device, D = x.num_seqs, x.num_v_heads, x.q.device, HEAD_DIM
     if x.w is None:
         x.w, _ = walk_operands_for(x, None, with_u=False)
-    dh = torch.empty(x.chunk_slots, Hv, D, D, dtype=x.v.dtype, device=device)
+    dh = torch.empty(x.chunk_slots if store_dh else 1, Hv, D, D, dtype=x.v.dtype, device=device)
     placeholder = torch.empty(1, D, D, dtype=torch.float32, device=device)
     dht_arg = placeholder if dht is None else dht.float().reshape(N * Hv, D, D).contiguous()
     dS0 = torch.empty(N, Hv, D, D, dtype=torch.float32, device=device)
     compiled_chunk_dstates(x.dtype, block_v_on(device, N, Hv))(
-        x.q, x.k, x.w, do, x.gcum, x.cu, x.offsets, dht_arg, dh, dS0.view(N * Hv, D, D), scale, int(dht is not None), 1)
-    return dh, dS0
+        x.q, x.k, x.w, do, x.gcum, x.cu, x.offsets, dht_arg, dh, dS0.view(N * Hv, D, D), scale, int(dht is not None), 1,
+        int(store_dh))
+    return (dh if store_dh else None), dS0
 
 
 def backward_of(x: ChunkedCall, q, k, v, g, beta, do, scale, h0, dht):
@@ -134,4 +135,4 @@ def entering_state_gradients(q, k, v, g, beta, scale, cu_seqlens, do):
     """dS0 of every sequence when the gradients of their final states are zero: the reverse walk alone
     (no state recompute, no chunk-local gradients); fp32 [N, Hv, 128, 128]. Inter-card CP's D_p."""
     x = prepare(q, k, v, g, beta, cu_seqlens)
-    return state_gradients(x, output_gradient(x, do), scale, None)[1]
+    return state_gradients(x, output_gradient(x, do), scale, None, store_dh=False)[1]

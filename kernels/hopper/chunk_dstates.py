@@ -8,7 +8,8 @@ reverse is
 
 One CTA per (V tile, sequence, v-head) walks its chunks from the last to the first, dS [128 x block_v]
 in fp32 fragments, writing per chunk the gradient of the state leaving it (`dh`, input dtype, at the
-chunk's slot chunk_offsets[n] + c) and at the end dS0, the gradient of the initial state. The local term
+chunk's slot chunk_offsets[n] + c; not with `store_dh` = 0: intra-card CP's walks from zero and inter-card
+CP's D_p want dS0 alone) and at the end dS0, the gradient of the initial state. The local term
 (Gamma o Q K^T)^T dOs needs no state, so its Q K^T product is off the serial chain.
 
 Sequences of any length: in a sequence's last, partial chunk the gates past its end repeat the last
@@ -55,7 +56,7 @@ def build_chunk_dstates(dtype: str, block_v: int):
         T.async_copy(gcum[h, t0:t0 + C], graw_s)
 
     @T.macro
-    def chunk_step(dh_out, chunk_index, n_rows, h, v0, scale, Q_s, K_s, W_s, dO_s, graw_s, gc_sh, dS_sh, X_sh, dOg_sh,
+    def chunk_step(dh_out, store_dh, chunk_index, n_rows, h, v0, scale, Q_s, K_s, W_s, dO_s, graw_s, gc_sh, dS_sh, X_sh, dOg_sh,
                    P_sh, gs_sh, dS, KdS, P, tail, decay):
         last = n_rows - 1
         for r in T.Parallel(C):
@@ -65,7 +66,8 @@ def build_chunk_dstates(dtype: str, block_v: int):
         # and gamma_last dS run while they do
         T.wgmma_gemm(K_s, dS_sh, KdS, clear_accum=True)
         T.wgmma_gemm(Q_s, K_s, P, transpose_B=True, clear_accum=True)
-        T.copy(dS_sh, dh_out[chunk_index, h, 0:D, v0:v0 + BV])
+        if store_dh != 0:
+            T.copy(dS_sh, dh_out[chunk_index, h, 0:D, v0:v0 + BV])
         for r, j in T.Parallel(C, BV):
             dOg_sh[r, j] = T.if_then_else(r < n_rows, dO_s[r, j] * gs_sh[r], 0.0)
         for r in T.Parallel(C):
@@ -116,6 +118,7 @@ def build_chunk_dstates(dtype: str, block_v: int):
         scale: T.float32,
         use_dht: T.int32,
         store_dh0: T.int32,
+        store_dh: T.int32,
     ):
         with T.Kernel(D // BV, num_seqs, num_v_heads, threads=threads_for(BV)) as (bv, n, h):
             hk = T.alloc_var("int32")
@@ -164,7 +167,7 @@ def build_chunk_dstates(dtype: str, block_v: int):
                     else:
                         T.ptx_wait_group(0)
                     T.sync_threads()
-                    chunk_step(dh_out, chunk_index, n_rows, h, v0, scale, Q0, K0, W0, dO0, graw0, gc_sh, dS_sh, X_sh,
+                    chunk_step(dh_out, store_dh, chunk_index, n_rows, h, v0, scale, Q0, K0, W0, dO0, graw0, gc_sh, dS_sh, X_sh,
                                dOg_sh, P_sh, gs_sh, dS, KdS, P, tail, decay)
                 else:
                     if i + 1 < num_chunks:
@@ -173,7 +176,7 @@ def build_chunk_dstates(dtype: str, block_v: int):
                     else:
                         T.ptx_wait_group(0)
                     T.sync_threads()
-                    chunk_step(dh_out, chunk_index, n_rows, h, v0, scale, Q1, K1, W1, dO1, graw1, gc_sh, dS_sh, X_sh,
+                    chunk_step(dh_out, store_dh, chunk_index, n_rows, h, v0, scale, Q1, K1, W1, dO1, graw1, gc_sh, dS_sh, X_sh,
                                dOg_sh, P_sh, gs_sh, dS, KdS, P, tail, decay)
                 T.sync_threads()
 
