@@ -18,8 +18,8 @@ the backward computes no second inverse.
 Built with `with_wu=False` (the forward's build) the kernel stops after GA and gcum: the fused forward
 reads nothing else, so the V load, the two products and the W/U stores (2 x 256 bytes per token and
 v-head) are skipped, `v`, `w`, `u` are never touched, and without that branch K, L and GA share one
-buffer: 32.5 KiB of shared memory and 96 registers, 5 CTAs per SM, where the build with W and U needs
-48.5 KiB and 112 (4). The segmented forward and the backward get W (and U) of the chunks their walks read
+buffer: 32.5 KiB of shared memory and 96 registers (held there for 5 CTAs per SM), where the build with
+W and U needs 48.5 KiB and 123 (4). The segmented forward and the backward get W (and U) of the chunks their walks read
 from chunk_wu.py. The inverse needs no exp; the gates enter only GA, W and U.
 
 Chunks never straddle sequences. CTA c of the grid finds its sequence by binary search in
@@ -34,15 +34,20 @@ Schedule (one warpgroup, 128 threads, per (chunk, v-head)):
   2. invert the four 16x16 diagonal blocks of I + L by fp32 forward substitution, one column per
      thread held in registers (64 threads, no barrier inside the substitution);
   3. merge 16 -> 32: X21 = -D1^{-1} L21 D0^{-1} for both 32-blocks (fp32, each thread 4 rows of a column);
-  4. merge 32 -> 64: X21 = -P1^{-1} L21 P0^{-1} (fp32, each thread 8 rows of a column); both merges stage
-     L21 X11 in the upper-right block of X (zero in X, zeroed again after use);
+  4. merge 32 -> 64: X21 = -P1^{-1} L21 P0^{-1}, two 32 x 32 x 32 products on tensor cores (TF32 mma.sync
+     from the fp32 tiles, fp32 accumulation); both merges stage L21 X11 in the upper-right block of X (zero
+     in X, zeroed again after use);
   5. mask by Gamma, store GA (from its shared tile, 16 bytes per thread and store); with W and U: the
      same tile then holds Gamma o (A diag(beta)), load the V tile into the bytes X leaves; W =
      diag(gamma) ((A diag(beta)) K), then U = (Gamma o (A diag(beta))) V on tensor cores through one fp32
      accumulator, each staged as the input dtype through its input tile so the rows that exist are
      stored 16 bytes at a time.
-Steps 2-4 on CUDA cores in fp32 replaced a barrier per substituted row and TF32 tensor-core merges
-(H200, 2026-11-30: 0.34 -> 0.24 ms at (2, 8) x 32K tokens, 1.25 -> 0.94 ms at (16, 32)). The late V
+Steps 2-4 on CUDA cores in fp32 replaced a barrier per substituted row and TF32 tensor-core merges with
+staging copies (H200, 2026-11-30: 0.34 -> 0.24 ms at (2, 8) x 32K tokens, 1.25 -> 0.94 ms at (16, 32)).
+The 32 -> 64 merge, 65K of the CTA's FMAs and 29% of its time there, went back to TF32 tensor cores as two
+`T.gemm` on regions of the fp32 tiles (no staging copies): forward build 748 -> 595 us at (16, 64) x 8K x 4,
+GA against a float64 inverse 2.09e-4 -> 2.20e-4 relative (the bf16 rounding of GA dominates; o against the
+float64 torch backend 3.97e-3 -> 3.98e-3), docs/kernels.md "Eighteenth session". The late V
 load, the in-X staging, one accumulator and beta/g laid out after the big tiles take the CTA from 158
 registers and 73 KiB of shared memory (3 CTAs per SM, Nsight Compute: 18.75% occupancy) to 124 registers
 and 48.5 KiB (4 CTAs per SM).
@@ -82,6 +87,8 @@ def build_wy_inverse(dtype: str, with_wu: bool = True):
         search_steps: T.int32,
     ):
         with T.Kernel(num_chunk_slots, num_v_heads, threads=128) as (chunk, h):
+            if not with_wu:
+                T.annotate_min_blocks_per_sm(5)  # <= 102 registers: 5 CTAs per SM (the merge's fragments want 111)
             hk = h // (num_v_heads // num_qk_heads)
 
             K_sh = T.alloc_shared((C, D), dtype)
@@ -93,7 +100,7 @@ def build_wy_inverse(dtype: str, with_wu: bool = True):
             GA_sh = T.alloc_shared((C, C), dtype)  # GA; with W and U then Gamma o (A diag(beta)) for U
             col = T.alloc_local((16,), "float32")  # step 3: this thread's column of a diagonal block
             acc = T.alloc_local((4,), "float32")
-            acc8 = T.alloc_local((8,), "float32")
+            Y = T.alloc_fragment((32, 32), "float32")  # step 4's products
 
             # --- which sequence and chunk this CTA owns -------------------------------------------
             seq, start, n_rows = chunk_of_slot(cu_seqlens, chunk_offsets, num_seqs, chunk, search_steps)
@@ -165,26 +172,14 @@ def build_wy_inverse(dtype: str, with_wu: bool = True):
                 X_sh[p * 32 + r0 + r, p * 32 + 16 + c2] = 0.0
             T.sync_threads()
 
-            # --- merge 32 -> 64: X21 = -X22 (L21 X11) in fp32 on CUDA cores; thread = (8 rows, column)
-            rg = tx // 32 * 8
-            c3 = tx % 32
-            for r in T.unroll(8):
-                acc8[r] = 0.0
-                for j in T.unroll(32):
-                    acc8[r] = acc8[r] + L_sh[32 + rg + r, j] * X_sh[j, c3]
-            # L21 X11 staged in the upper-right quadrant (zero in X, restored below)
-            for r in T.unroll(8):
-                X_sh[rg + r, 32 + c3] = acc8[r]
-            T.sync_threads()
-            for r in T.unroll(8):
-                acc8[r] = 0.0
-                for j in T.unroll(32):
-                    acc8[r] = acc8[r] + X_sh[32 + rg + r, 32 + j] * X_sh[j, 32 + c3]
-            for r in T.unroll(8):
-                X_sh[32 + rg + r, c3] = -acc8[r]
-            T.sync_threads()
-            for r in T.unroll(8):
-                X_sh[rg + r, 32 + c3] = 0.0
+            # --- merge 32 -> 64: X21 = -X22 (L21 X11), two 32 x 32 x 32 products on tensor cores (TF32) --
+            T.gemm(L_sh[32:64, 0:32], X_sh[0:32, 0:32], Y, clear_accum=True)
+            T.copy(Y, X_sh[0:32, 32:64])  # L21 X11 staged in the upper-right quadrant (zero in X, restored below)
+            T.gemm(X_sh[32:64, 32:64], X_sh[0:32, 32:64], Y, clear_accum=True)
+            for r, s in T.Parallel(32, 32):
+                X_sh[32 + r, s] = -Y[r, s]
+            for r, s in T.Parallel(32, 32):
+                X_sh[r, 32 + s] = 0.0
             T.sync_threads()
 
             # --- GA = Gamma o X (its gate mask applied once here, so the fused walk takes it as a product
