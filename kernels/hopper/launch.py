@@ -410,13 +410,20 @@ def chunk_gdn_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu
     return (o.view(v.shape), ht, x.kept()) if keep_inverse else (o.view(v.shape), ht)
 
 
+@functools.lru_cache(maxsize=16)
+def _no_states(num_v_heads: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """fused_fwd's per-chunk state output when it stores none (the forward): one chunk slot, never written,
+    made once per head count, dtype and device instead of per call."""
+    return torch.empty(1, num_v_heads, HEAD_DIM, HEAD_DIM, dtype=dtype, device=device)
+
+
 def fused_forward(x: ChunkedCall, v, h0, scale: float, store_final: bool):
     """fused_fwd over every sequence of `x` from h0 (fp32 [N, Hv, 128, 128] or None): (O [T, Hv, 128],
     final fp32 states or None)."""
     h0_arg, ht, ht_arg = _state_buffers(x, h0, store_final)
     v3 = v.reshape(-1, x.num_v_heads, HEAD_DIM)
     o = torch.empty_like(v3)
-    no_states = torch.empty(1, x.num_v_heads, HEAD_DIM, HEAD_DIM, dtype=v3.dtype, device=v3.device)
+    no_states = _no_states(x.num_v_heads, v3.dtype, v3.device)
     compiled_fused_fwd(x.dtype, block_v_on(x.q.device, x.num_seqs, x.num_v_heads))(
         x.q, x.k, v3, x.GA, x.beta, x.gcum, x.cu, x.offsets, h0_arg, o, ht_arg, no_states, float(scale),
         int(h0 is not None), int(store_final), 0)
