@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import functools
+import json
 import math
 import os
 import statistics
@@ -249,6 +250,16 @@ def write_report(path, rows, vers, notes):
     return "\n".join(lines)
 
 
+def merged_rows(paths) -> list[dict]:
+    """The rows of earlier runs' --rows-json files, in config order; a config measured in two of them keeps
+    the later file's row."""
+    by_index = {}
+    for path in paths:
+        with open(path) as f:
+            by_index.update((row["index"], row) for row in json.load(f))
+    return [by_index[i] for i in sorted(by_index)]
+
+
 def grouped_bars(path, labels, series, ylabel, title, width_per_group=1.2, label_fontsize=7):
     """A bar chart with one group per label and one bar per (name, values) of `series` in each, saved as PNG
     (bench_bwd.py draws its chart with it too)."""
@@ -284,6 +295,10 @@ def main():
     ap.add_argument("--configs", default="all", help="config indices to run ('all' or '0,3')")
     ap.add_argument("--out", default="docs/benchmarks.md")
     ap.add_argument("--png", default="docs/benchmarks_fwd.png")
+    ap.add_argument("--rows-json", default="", help="write the finished rows here after every config (a run cut "
+                    "short keeps what it measured)")
+    ap.add_argument("--merge", action="append", default=[], help="rows JSON of an earlier run of other configs "
+                    "(same machine and versions) to report with this run's; repeatable")
     ap.add_argument("--cp-sweep", default="", help="segment lengths in chunks to time on configs with <= 4 "
                     "sequences, e.g. 8,16,32,64 (the AutoCP calibration sweep)")
     args = ap.parse_args()
@@ -301,14 +316,14 @@ def main():
         except Exception as exc:  # a peer missing from this machine is reported, not fatal
             notes.append(f"- {key} unavailable: {exc.__class__.__name__}: {exc}")
 
-    rows = []
+    rows = merged_rows(args.merge)
     for i, (name, Hqk, Hv, seqs) in enumerate(CONFIGS):
-        if i not in run_idx:
+        if i not in run_idx or any(r.get("index") == i for r in rows):
             continue
         inputs = make_inputs(Hqk, Hv, seqs)
         mem_us, mma_us = floors_us(Hqk, Hv, sum(seqs))
         seq_label = f"{seqs[0]}x{len(seqs)}" if len(set(seqs)) == 1 else "+".join(map(str, seqs))
-        row = dict(name=name, Hqk=Hqk, Hv=Hv, seqs=seq_label, mem_us=mem_us, mma_us=mma_us,
+        row = dict(index=i, name=name, Hqk=Hqk, Hv=Hv, seqs=seq_label, mem_us=mem_us, mma_us=mma_us,
                    L=planned_segment_chunks(Hv, seqs))
         for key in impls:
             row[key] = None
@@ -338,6 +353,9 @@ def main():
             except Exception as exc:
                 notes.append(f"- segments L={L} failed on {name} {seq_label}: {exc.__class__.__name__}: {str(exc)[:160]}")
         rows.append(row)
+        if args.rows_json:
+            with open(args.rows_json, "w") as f:
+                json.dump(rows, f)
         print(f"{name:9s} ({Hqk:2d},{Hv:2d}) {seq_label:12s} flashqla {row['flashqla']} fused {row['flashqla_fused']} "
               f"sweep {row['sweep']} +CP(L={row['L']}) "
               f"{row['flashqla_cp']} FLA {row['fla']} "
@@ -345,6 +363,7 @@ def main():
         del inputs
         torch.cuda.empty_cache()
 
+    rows.sort(key=lambda r: r["index"])
     report = write_report(args.out, rows, versions(), notes)
     print(report)
     try:
