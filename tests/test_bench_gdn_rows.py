@@ -25,5 +25,5 @@ def test_rows_of_two_runs_come_back_in_config_order_and_the_later_run_wins(tmp_p
     report = bench_gdn.write_report(tmp_path / "fwd.md", rows, {"torch": "x"}, [])
     # FlashQLA over the three rows: 1.0 / 1.0, 1.0 / 0.5, 2.0 / 1.0
     assert f"over FlashQLA: {(1.0 * 2.0 * 2.0) ** (1 / 3):.2f}x over 3 configs" in report
-    names = [line.split(" | ")[0] for line in report.splitlines() if line.startswith("| 397B") or line.startswith("| Sym")]
+    names = [line.split(" | ")[0] for line in report.splitlines() if line.startswith(("| 397B", "| Sym"))]
     assert names == ["| " + bench_gdn.CONFIGS[i][0] for i in (0, 7, 9)]

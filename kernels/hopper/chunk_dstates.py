@@ -56,8 +56,8 @@ def build_chunk_dstates(dtype: str, block_v: int):
         T.async_copy(gcum[h, t0:t0 + C], graw_s)
 
     @T.macro
-    def chunk_step(dh_out, store_dh, chunk_index, n_rows, h, v0, scale, Q_s, K_s, W_s, dO_s, graw_s, gc_sh, dS_sh, X_sh, dOg_sh,
-                   P_sh, gs_sh, dS, KdS, P, tail, decay):
+    def chunk_step(dh_out, store_dh, chunk_index, n_rows, h, v0, scale, Q_s, K_s, W_s, dO_s, graw_s, gc_sh, dS_sh,
+                   X_sh, dOg_sh, P_sh, gs_sh, dS, KdS, P, tail, decay):
         last = n_rows - 1
         for r in T.Parallel(C):
             gc_sh[r] = graw_s[T.min(r, last)] * LOG2E
@@ -167,8 +167,8 @@ def build_chunk_dstates(dtype: str, block_v: int):
                     else:
                         T.ptx_wait_group(0)
                     T.sync_threads()
-                    chunk_step(dh_out, store_dh, chunk_index, n_rows, h, v0, scale, Q0, K0, W0, dO0, graw0, gc_sh, dS_sh, X_sh,
-                               dOg_sh, P_sh, gs_sh, dS, KdS, P, tail, decay)
+                    chunk_step(dh_out, store_dh, chunk_index, n_rows, h, v0, scale, Q0, K0, W0, dO0, graw0, gc_sh,
+                               dS_sh, X_sh, dOg_sh, P_sh, gs_sh, dS, KdS, P, tail, decay)
                 else:
                     if i + 1 < num_chunks:
                         load_chunk(q, k, w, do, gcum, bos + (c - 1) * C, hk, h, v0, Q0, K0, W0, dO0, graw0)
@@ -176,8 +176,8 @@ def build_chunk_dstates(dtype: str, block_v: int):
                     else:
                         T.ptx_wait_group(0)
                     T.sync_threads()
-                    chunk_step(dh_out, store_dh, chunk_index, n_rows, h, v0, scale, Q1, K1, W1, dO1, graw1, gc_sh, dS_sh, X_sh,
-                               dOg_sh, P_sh, gs_sh, dS, KdS, P, tail, decay)
+                    chunk_step(dh_out, store_dh, chunk_index, n_rows, h, v0, scale, Q1, K1, W1, dO1, graw1, gc_sh,
+                               dS_sh, X_sh, dOg_sh, P_sh, gs_sh, dS, KdS, P, tail, decay)
                 T.sync_threads()
 
             if store_dh0 != 0:
