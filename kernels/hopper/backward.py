@@ -133,6 +133,7 @@ def chunk_gdn_bwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht, k
 
 def entering_state_gradients(q, k, v, g, beta, scale, cu_seqlens, do):
     """dS0 of every sequence when the gradients of their final states are zero: the reverse walk alone
-    (no state recompute, no chunk-local gradients); fp32 [N, Hv, 128, 128]. Inter-card CP's D_p."""
-    x = prepare(q, k, v, g, beta, cu_seqlens)
+    (no state recompute, no chunk-local gradients); fp32 [N, Hv, 128, 128]. Inter-card CP's D_p. The walk
+    reads W alone, which `state_gradients` computes (chunk_wu) from the forward build's GA: no U."""
+    x = prepare(q, k, v, g, beta, cu_seqlens, walk_operands=False)
     return state_gradients(x, output_gradient(x, do), scale, None, store_dh=False)[1]
