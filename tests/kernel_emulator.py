@@ -173,7 +173,9 @@ def emulate_fused_fwd(q, k, v, GA, beta, gcum, cu, offsets, h0, o, ht, h_out, sc
             ht[n * Hv:(n + 1) * Hv] = S.to(ht.dtype)
 
 
-def emulate_chunk_dstates(q, k, w, do, gcum, cu, offsets, dht, dh_out, dh0, scale, use_dht, store_dh0, store_dh):
+def emulate_chunk_dstates(q, k, w, GA, beta, do, gcum, cu, offsets, dht, dh_out, dh0, scale, use_dht, store_dh0,
+                          store_dh, form_w):
+    """With `form_w` (the build at V tile 128) W = GA diag(beta gamma) K per chunk; else W is read from `w`."""
     Hv, D = w.shape[1], w.shape[2]
     hk = _qk_heads(q.shape[1], Hv)
     chunks = list(_chunks(cu))
@@ -186,8 +188,12 @@ def emulate_chunk_dstates(q, k, w, do, gcum, cu, offsets, dht, dh_out, dh0, scal
                 dh_out[offsets[n] + c] = dS.to(dh_out.dtype)
             P = Gamma * (Q @ K.transpose(-1, -2))
             X = P.transpose(-1, -2) @ dOs + to_end[:, :, None] * (K @ dS)
+            if form_w:
+                W = _rows(GA, t0, rows) @ ((gamma * _rows(beta, t0, rows))[:, :, None] * K)
+            else:
+                W = _rows(w, t0, rows)
             dS = (gamma_last[:, :, None] * dS + Q.transpose(-1, -2) @ (gamma[:, :, None] * dOs)
-                  - _rows(w, t0, rows).transpose(-1, -2) @ X)
+                  - W.transpose(-1, -2) @ X)
         if store_dh0:
             dh0[n * Hv:(n + 1) * Hv] = dS.to(dh0.dtype)
 
@@ -242,7 +248,8 @@ def install(monkeypatch):
         "compiled_chunk_states": lambda dtype, block_v: emulate_chunk_states,
         "compiled_chunk_output": lambda dtype: emulate_chunk_output,
         "compiled_fused_fwd": lambda dtype, block_v: emulate_fused_fwd,
-        "compiled_chunk_dstates": lambda dtype, block_v: emulate_chunk_dstates,
+        "compiled_chunk_dstates": lambda dtype, block_v: functools.partial(emulate_chunk_dstates,
+                                                                           form_w=launch.walk_forms_w(block_v)),
         "compiled_chunk_bwd_local": lambda dtype: emulate_chunk_bwd_local,
         "compiled_gqa_sum": lambda dtype: emulate_gqa_sum,
         "compiled_segment_chain": lambda block_v: emulate_segment_chain,

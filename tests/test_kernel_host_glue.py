@@ -455,20 +455,23 @@ def test_the_backward_walks_go_side_by_side_only_where_one_walk_leaves_sms_idle(
     assert launch.walks_fill(h200, 1, 32) and launch.walks_fill(h200, 4, 8)  # 128 CTAs
 
 
+@pytest.mark.parametrize("sm_count", [132, 4], ids=["narrow-walks", "walks-form-w"])
 @pytest.mark.parametrize("intra_cp", ["off", 2])
 @pytest.mark.parametrize("keep", ["1", "0"], ids=["kept", "recomputed"])
-def test_backward_reads_the_inverse_its_forward_kept(hopper, monkeypatch, intra_cp, keep):
+def test_backward_reads_the_inverse_its_forward_kept(hopper, monkeypatch, intra_cp, keep, sm_count):
     """A forward whose backward will run keeps its GA and gates, and its backward runs no wy_inverse (with
     FLASHQLA_KEEP_INVERSE=0 it runs the forward's build again); either way the backward's states come from
-    fused_fwd's state walk and W alone from chunk_wu (no U, no chunk_states), unsegmented and with
-    intra-card segments (whose walk from zero stores no per-chunk dS), and the gradients are the torch
-    backend's. Under no_grad nothing is kept."""
+    fused_fwd's state walk and, for the reverse walk, W alone from chunk_wu (no U, no chunk_states) at narrow
+    V tiles, or no chunk_wu at all where the walks fill the SMs (V tile 128: the walk forms W from GA),
+    unsegmented and with intra-card segments (whose walk from zero stores no per-chunk dS), and the gradients
+    are the torch backend's. Under no_grad nothing is kept."""
     import flashqla
     from flashqla.kernels.hopper import backward, launch
     from flashqla.ops import backends
 
     monkeypatch.setattr(backends, "tilelang_unsupported_reason", lambda call: None)  # "tilelang" on the CPU
     monkeypatch.setenv("FLASHQLA_KEEP_INVERSE", keep)
+    monkeypatch.setattr(launch, "_sm_count", lambda index: sm_count)
     launches = []
 
     def spy(name, flags):
@@ -485,7 +488,7 @@ def test_backward_reads_the_inverse_its_forward_kept(hopper, monkeypatch, intra_
     spy("compiled_chunk_wu", lambda build, args: (args[-1],))  # store_u
     spy("compiled_fused_fwd", lambda build, args: (args[-1],))  # store_states
     spy("compiled_chunk_states", lambda build, args: ())
-    spy("compiled_chunk_dstates", lambda build, args: (args[-1],))  # store_dh
+    spy("compiled_chunk_dstates", lambda build, args: (args[-1], build[1]))  # store_dh, block_v
     kept_flags = []
     real_forward = backends.forward
     monkeypatch.setattr(backends, "forward", lambda *a, **kw: kept_flags.append(kw.get("keep_inverse"))
@@ -514,8 +517,10 @@ def test_backward_reads_the_inverse_its_forward_kept(hopper, monkeypatch, intra_
     recompute = [] if keep == "1" else [("wy_inverse", False)]
     # the reverse walk stores every chunk's dS for the chunk-local kernel; the segments' walk from zero (D_j)
     # wants dS0 alone
-    walks = [("chunk_dstates", 1)] + ([] if intra_cp == "off" else [("chunk_dstates", 0)])
-    assert backward_launches == sorted(recompute + walks + [("chunk_wu", 0), ("fused_fwd", 1)]), backward_launches
+    block_v = 32 if sm_count == 132 else 128  # 4 sequences x 4 heads (x 2 segments) against the SMs
+    walks = [("chunk_dstates", 1, block_v)] + ([] if intra_cp == "off" else [("chunk_dstates", 0, block_v)])
+    w = [("chunk_wu", 0)] if block_v < 128 else []  # once: the segments' two walks share it
+    assert backward_launches == sorted(recompute + walks + w + [("fused_fwd", 1)]), backward_launches
     limits = (1e-2, 1e-2, 1e-2, 2e-2, 2e-2, 1e-2)
     for name, a, b, limit in zip(names, grads["tilelang"], grads["torch"], limits):
         assert rel_err(a, b) <= limit, (name, rel_err(a, b))

@@ -2,7 +2,8 @@
 
     (wy_inverse)          GA = Gamma o A and the chunk-local cumulative gates: the forward's, kept
                           (`KeptInverse`), or recomputed (the forward's build) when it kept none
-    chunk_wu (W only)     W = diag(gamma) A diag(beta) K, which the reverse walk reads
+    chunk_wu (W only)     W = diag(gamma) A diag(beta) K, which the reverse walk reads at V tiles below 128
+                          (at 128, where the walks fill the GPU, the walk forms W itself)
     fused_fwd (states)    the state entering every chunk (input dtype): the forward's walk again, without O
     chunk_dstates         the reverse walk: the gradient of the state leaving every chunk, and dS0
                           (beside the state walk on a second stream when one walk leaves SMs idle)
@@ -22,7 +23,8 @@ import functools
 import torch
 
 from .launch import (HEAD_DIM, ChunkedCall, block_v_on, compiled_chunk_bwd_local, compiled_chunk_dstates,
-                     compiled_gqa_sum, fused_states, prepare, prepare_from_kept, walk_operands_for, walks_fill)
+                     compiled_gqa_sum, fused_states, prepare, prepare_from_kept, walk_forms_w, walk_operands_for,
+                     walks_fill)
 
 
 @functools.lru_cache(maxsize=None)
@@ -57,17 +59,23 @@ def output_gradient(x: ChunkedCall, do: torch.Tensor) -> torch.Tensor:
 def state_gradients(x: ChunkedCall, do: torch.Tensor, scale: float, dht, store_dh: bool = True):
     """chunk_dstates over every sequence of `x` from dO (`output_gradient`) with the output scale and dht
     (fp32 [N, Hv, 128, 128], or None for zero): (dh [chunk_slots, Hv, 128, 128] in the input dtype, or None
-    without store_dh, dS0 fp32 [N, Hv, 128, 128]). Computes x's W (chunk_wu, every chunk) when x has none."""
+    without store_dh, dS0 fp32 [N, Hv, 128, 128]). At V tile 128 the walk forms W itself from GA, beta and the
+    gates; at narrower tiles it reads x's W, computed here (chunk_wu, every chunk) when x has none."""
     N, Hv, device, D = x.num_seqs, x.num_v_heads, x.q.device, HEAD_DIM
-    if x.w is None:
-        x.w, _ = walk_operands_for(x, None, with_u=False)
+    block_v = block_v_on(device, N, Hv)
+    if walk_forms_w(block_v):
+        w = x.v  # a stand-in: the walk reads GA and beta instead
+    else:
+        if x.w is None:
+            x.w, _ = walk_operands_for(x, None, with_u=False)
+        w = x.w
     dh = torch.empty(x.chunk_slots if store_dh else 1, Hv, D, D, dtype=x.v.dtype, device=device)
     placeholder = torch.empty(1, D, D, dtype=torch.float32, device=device)
     dht_arg = placeholder if dht is None else dht.float().reshape(N * Hv, D, D).contiguous()
     dS0 = torch.empty(N, Hv, D, D, dtype=torch.float32, device=device)
-    compiled_chunk_dstates(x.dtype, block_v_on(device, N, Hv))(
-        x.q, x.k, x.w, do, x.gcum, x.cu, x.offsets, dht_arg, dh, dS0.view(N * Hv, D, D), scale, int(dht is not None), 1,
-        int(store_dh))
+    compiled_chunk_dstates(x.dtype, block_v)(
+        x.q, x.k, w, x.GA, x.beta, do, x.gcum, x.cu, x.offsets, dht_arg, dh, dS0.view(N * Hv, D, D), scale,
+        int(dht is not None), 1, int(store_dh))
     return (dh if store_dh else None), dS0
 
 
@@ -134,6 +142,6 @@ def chunk_gdn_bwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht, k
 def entering_state_gradients(q, k, v, g, beta, scale, cu_seqlens, do):
     """dS0 of every sequence when the gradients of their final states are zero: the reverse walk alone
     (no state recompute, no chunk-local gradients); fp32 [N, Hv, 128, 128]. Inter-card CP's D_p. The walk
-    reads W alone, which `state_gradients` computes (chunk_wu) from the forward build's GA: no U."""
+    reads W alone (formed in the walk, or by chunk_wu from the forward build's GA at narrower V tiles): no U."""
     x = prepare(q, k, v, g, beta, cu_seqlens, walk_operands=False)
     return state_gradients(x, output_gradient(x, do), scale, None, store_dh=False)[1]

@@ -12,9 +12,18 @@ chunk's slot chunk_offsets[n] + c; not with `store_dh` = 0: intra-card CP's walk
 CP's D_p want dS0 alone) and at the end dS0, the gradient of the initial state. The local term
 (Gamma o Q K^T)^T dOs needs no state, so its Q K^T product is off the serial chain.
 
+W: at block_v = 128 (one CTA per walk, chosen where the walks fill the GPU) the walk forms W per chunk from
+the forward's GA, beta and the gates, W = GA diag(beta gamma) K (Gamma_rs gamma_s = gamma_r), a product
+that goes out behind the chain's first two and is read by the last: no `chunk_wu` launch and no W tensor
+(T x Hv x 256 bytes). At narrower tiles every tile of a walk would form the same W again, and those walks
+are latency-bound: they read `chunk_wu`'s W (H200, 2026-12-02: the walk with its W 670 -> 583 us at (16, 32)
+x 4K x 8, 1291 -> 1134 at (16, 64) x 8K x 4, but 1282 -> 1522 at (2, 8) x 32K x 1 at block_v 32). The
+unused operands are stand-ins (`v` for W).
+
 Sequences of any length: in a sequence's last, partial chunk the gates past its end repeat the last
 one (factor 1) and the rows past its end are masked out of P, dOs and dV' (they hold the next
-sequence's tokens, or zeros past the tensor end: the tile copies are bounds-checked).
+sequence's tokens, or zeros past the tensor end: the tile copies are bounds-checked); beta gamma is 0
+there, so W's rows past the end are those of finite tiles times 0.
 
 The kernel reads dO itself and applies `scale` in fp32 where dO enters the algebra (on the masked P and
 on gamma dO, both formed elementwise anyway), so no scaled copy of dO is made.
@@ -34,7 +43,9 @@ HEAD_DIM = 128
 LOG2E = 1.4426950408889634
 
 
-def build_chunk_dstates(dtype: str, block_v: int):
+def build_chunk_dstates(dtype: str, block_v: int, form_w: bool):
+    """Build the walk for `dtype` and V tile `block_v`; with `form_w` it forms W from GA, beta and the gates
+    (launch.walk_forms_w chooses), else it reads W."""
     if HEAD_DIM % block_v:
         raise ValueError(f"block_v must divide {HEAD_DIM}, got {block_v}")
     num_tokens = T.dynamic("num_tokens")
@@ -46,24 +57,33 @@ def build_chunk_dstates(dtype: str, block_v: int):
     num_dh0 = T.dynamic("num_dh0")
     C, D, BV = CHUNK, HEAD_DIM, block_v
     threads = threads_for(BV)
+    loads = 6 if form_w else 5  # commit groups per chunk (load_chunk)
 
     @T.macro
-    def load_chunk(q, k, w, do, gcum, t0, hk, h, v0, Q_s, K_s, W_s, dO_s, graw_s):
+    def load_chunk(q, k, w, GA, beta, do, gcum, t0, hk, h, v0, Q_s, K_s, W_s, b_s, dO_s, graw_s):
+        """The chunk's tiles, `loads` commit groups: W_s holds GA (and b_s beta) when the walk forms W."""
         T.async_copy(q[t0:t0 + C, hk, 0:D], Q_s)
         T.async_copy(k[t0:t0 + C, hk, 0:D], K_s)
-        T.async_copy(w[t0:t0 + C, h, 0:D], W_s)
+        if form_w:
+            T.async_copy(GA[t0:t0 + C, h, 0:C], W_s)
+            T.async_copy(beta[t0:t0 + C, h], b_s)
+        else:
+            T.async_copy(w[t0:t0 + C, h, 0:D], W_s)
         T.async_copy(do[t0:t0 + C, h, v0:v0 + BV], dO_s)
         T.async_copy(gcum[h, t0:t0 + C], graw_s)
 
     @T.macro
-    def chunk_step(dh_out, store_dh, chunk_index, n_rows, h, v0, scale, Q_s, K_s, W_s, dO_s, graw_s, gc_sh, dS_sh,
-                   X_sh, dOg_sh, P_sh, gs_sh, dS, KdS, P, tail, decay):
+    def chunk_step(dh_out, store_dh, chunk_index, n_rows, h, v0, scale, Q_s, K_s, W_s, b_s, dO_s, graw_s, gc_sh,
+                   dS_sh, X_sh, dOg_sh, P_sh, gs_sh, bg_sh, GAbg_sh, Wf_sh, dS, KdS, P, W, tail, decay):
         last = n_rows - 1
         for r in T.Parallel(C):
             gc_sh[r] = graw_s[T.min(r, last)] * LOG2E
             gs_sh[r] = T.exp2(graw_s[T.min(r, last)] * LOG2E) * scale  # gamma of each row, times the output scale
+            if form_w:  # beta gamma of each row that exists
+                bg_sh[r] = T.if_then_else(r < n_rows, T.exp2(graw_s[T.min(r, last)] * LOG2E) * b_s[T.min(r, last)],
+                                          0.0)
         # K dS (the serial chain) and Q K^T issued together (asynchronous WGMMA); the store of dh, gamma dOs
-        # and gamma_last dS run while they do
+        # and gamma_last dS run while they do (and GA diag(beta gamma), then W = that K goes out behind them)
         T.wgmma_gemm(K_s, dS_sh, KdS, clear_accum=True)
         T.wgmma_gemm(Q_s, K_s, P, transpose_B=True, clear_accum=True)
         if store_dh != 0:
@@ -75,7 +95,15 @@ def build_chunk_dstates(dtype: str, block_v: int):
         decay = T.exp2(gc_sh[C - 1])
         for i, j in T.Parallel(D, BV):
             dS[i, j] = dS[i, j] * decay
-        T.wait_wgmma(0)
+        if form_w:
+            for r, s in T.Parallel(C, C):
+                GAbg_sh[r, s] = T.cast(W_s[r, s] * bg_sh[s], dtype)
+            T.fence_proxy_async()
+            T.sync_threads()
+            T.wgmma_gemm(GAbg_sh, K_s, W, clear_accum=True)
+            T.wait_wgmma(1)  # K dS and Q K^T (W may still run)
+        else:
+            T.wait_wgmma(0)
         T.warpgroup_fence_operand(KdS, num_regs=C * BV // threads)
         T.warpgroup_fence_operand(P, num_regs=C * C // threads)
         # scale (Gamma o Q K^T) over the rows that exist; with it P^T dO = P^T dOs
@@ -90,15 +118,20 @@ def build_chunk_dstates(dtype: str, block_v: int):
         # dV' = P^T dOs + diag(gamma_last / gamma) K dS (chain), with dS += (gamma Q)^T dOs alongside
         T.wgmma_gemm(P_sh, dO_s, KdS, transpose_A=True)
         T.wgmma_gemm(Q_s, dOg_sh, dS, transpose_A=True)
+        if form_w:
+            T.wait_wgmma(2)  # W: to shared memory while dV' is computed
+            T.warpgroup_fence_operand(W, num_regs=C * D // threads)
+            T.copy(W, Wf_sh)
         T.wait_wgmma(1)
         T.warpgroup_fence_operand(KdS, num_regs=C * BV // threads)
         for r, j in T.Parallel(C, BV):
             KdS[r, j] = T.if_then_else(r < n_rows, -KdS[r, j], 0.0)  # dV', negated for the W^T product
         T.copy(KdS, X_sh)
+        T.fence_proxy_async()
         T.sync_threads()
 
         # dS = gamma_last dS + (gamma Q)^T dOs - W^T dV'
-        T.wgmma_gemm(W_s, X_sh, dS, transpose_A=True)
+        T.wgmma_gemm(Wf_sh if form_w else W_s, X_sh, dS, transpose_A=True)
         T.wait_wgmma(0)
         T.warpgroup_fence_operand(dS, num_regs=D * BV // threads)
         T.copy(dS, dS_sh)
@@ -108,6 +141,8 @@ def build_chunk_dstates(dtype: str, block_v: int):
         q: T.Tensor((num_tokens, num_qk_heads, D), dtype),
         k: T.Tensor((num_tokens, num_qk_heads, D), dtype),
         w: T.Tensor((num_tokens, num_v_heads, D), dtype),
+        GA: T.Tensor((num_tokens, num_v_heads, C), dtype),
+        beta: T.Tensor((num_tokens, num_v_heads), "float32"),
         do: T.Tensor((num_tokens, num_v_heads, D), dtype),
         gcum: T.Tensor((num_v_heads, num_tokens), "float32"),
         cu_seqlens: T.Tensor((num_seqs + 1,), "int32"),
@@ -133,7 +168,9 @@ def build_chunk_dstates(dtype: str, block_v: int):
 
             Q0, Q1 = T.alloc_shared((C, D), dtype), T.alloc_shared((C, D), dtype)
             K0, K1 = T.alloc_shared((C, D), dtype), T.alloc_shared((C, D), dtype)
-            W0, W1 = T.alloc_shared((C, D), dtype), T.alloc_shared((C, D), dtype)
+            # per stage: GA and beta when the walk forms W, else W
+            W0, W1 = (T.alloc_shared((C, C if form_w else D), dtype) for _ in range(2))
+            b0, b1 = (T.alloc_shared((C,), "float32") for _ in range(2))
             dO0, dO1 = T.alloc_shared((C, BV), dtype), T.alloc_shared((C, BV), dtype)
             graw0, graw1 = T.alloc_shared((C,), "float32"), T.alloc_shared((C,), "float32")
             gc_sh = T.alloc_shared((C,), "float32")
@@ -142,9 +179,13 @@ def build_chunk_dstates(dtype: str, block_v: int):
             X_sh = T.alloc_shared((C, BV), dtype)
             dOg_sh = T.alloc_shared((C, BV), dtype)
             P_sh = T.alloc_shared((C, C), dtype)
+            bg_sh = T.alloc_shared((C,), "float32")  # beta gamma (forming W)
+            GAbg_sh = T.alloc_shared((C, C), dtype)  # GA diag(beta gamma) (forming W)
+            Wf_sh = T.alloc_shared((C, D), dtype)  # the W formed (forming W)
             dS = T.alloc_fragment((D, BV), "float32")
             KdS = T.alloc_fragment((C, BV), "float32")
             P = T.alloc_fragment((C, C), "float32")
+            W = T.alloc_fragment((C, D), "float32")  # forming W
             tail = T.alloc_fragment((C,), "float32")  # gamma_last / gamma of each row
             decay = T.alloc_var("float32")  # gamma_last
 
@@ -154,7 +195,7 @@ def build_chunk_dstates(dtype: str, block_v: int):
                 T.clear(dS)
             T.copy(dS, dS_sh)
             last_t0 = bos + (num_chunks - 1) * C
-            load_chunk(q, k, w, do, gcum, last_t0, hk, h, v0, Q0, K0, W0, dO0, graw0)
+            load_chunk(q, k, w, GA, beta, do, gcum, last_t0, hk, h, v0, Q0, K0, W0, b0, dO0, graw0)
 
             for i in T.serial(num_chunks):
                 c = num_chunks - 1 - i
@@ -162,22 +203,24 @@ def build_chunk_dstates(dtype: str, block_v: int):
                 n_rows = T.min(C, eos - bos - c * C)  # < C only in the last chunk (i == 0)
                 if i % 2 == 0:
                     if i + 1 < num_chunks:
-                        load_chunk(q, k, w, do, gcum, bos + (c - 1) * C, hk, h, v0, Q1, K1, W1, dO1, graw1)
-                        T.ptx_wait_group(5)
+                        load_chunk(q, k, w, GA, beta, do, gcum, bos + (c - 1) * C, hk, h, v0, Q1, K1, W1, b1, dO1,
+                                   graw1)
+                        T.ptx_wait_group(loads)
                     else:
                         T.ptx_wait_group(0)
                     T.sync_threads()
-                    chunk_step(dh_out, store_dh, chunk_index, n_rows, h, v0, scale, Q0, K0, W0, dO0, graw0, gc_sh,
-                               dS_sh, X_sh, dOg_sh, P_sh, gs_sh, dS, KdS, P, tail, decay)
+                    chunk_step(dh_out, store_dh, chunk_index, n_rows, h, v0, scale, Q0, K0, W0, b0, dO0, graw0, gc_sh,
+                               dS_sh, X_sh, dOg_sh, P_sh, gs_sh, bg_sh, GAbg_sh, Wf_sh, dS, KdS, P, W, tail, decay)
                 else:
                     if i + 1 < num_chunks:
-                        load_chunk(q, k, w, do, gcum, bos + (c - 1) * C, hk, h, v0, Q0, K0, W0, dO0, graw0)
-                        T.ptx_wait_group(5)
+                        load_chunk(q, k, w, GA, beta, do, gcum, bos + (c - 1) * C, hk, h, v0, Q0, K0, W0, b0, dO0,
+                                   graw0)
+                        T.ptx_wait_group(loads)
                     else:
                         T.ptx_wait_group(0)
                     T.sync_threads()
-                    chunk_step(dh_out, store_dh, chunk_index, n_rows, h, v0, scale, Q1, K1, W1, dO1, graw1, gc_sh,
-                               dS_sh, X_sh, dOg_sh, P_sh, gs_sh, dS, KdS, P, tail, decay)
+                    chunk_step(dh_out, store_dh, chunk_index, n_rows, h, v0, scale, Q1, K1, W1, b1, dO1, graw1, gc_sh,
+                               dS_sh, X_sh, dOg_sh, P_sh, gs_sh, bg_sh, GAbg_sh, Wf_sh, dS, KdS, P, W, tail, decay)
                 T.sync_threads()
 
             if store_dh0 != 0:

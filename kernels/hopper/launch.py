@@ -81,11 +81,18 @@ def compiled_chunk_output(dtype: str):
     return compile_from("chunk_output", "build_chunk_output", f"chunk_output({dtype})", dtype)
 
 
+def walk_forms_w(block_v: int) -> bool:
+    """Whether the reverse walk at V tile `block_v` forms W itself from GA, beta and the gates (one CTA per
+    walk: no chunk_wu, no W tensor) rather than reading chunk_wu's: at narrower tiles every tile of a walk
+    would form the same W, on walks that are latency-bound (chunk_dstates.py)."""
+    return block_v == HEAD_DIM
+
+
 @functools.lru_cache(maxsize=None)
 def compiled_chunk_dstates(dtype: str, block_v: int):
     """The compiled reverse state-gradient walk (chunk_dstates.py) for `dtype` and `block_v`."""
     return compile_from("chunk_dstates", "build_chunk_dstates", f"chunk_dstates({dtype}, block_v={block_v})", dtype,
-                        block_v)
+                        block_v, walk_forms_w(block_v))
 
 
 @functools.lru_cache(maxsize=None)
