@@ -4,7 +4,8 @@ tile choice (`launch.block_v_for`), which decides how many CTAs share an SM.
 Nsight Compute on one long sequence (docs/kernels.md) found the walks instruction-issue bound with one
 warp per scheduler: a narrower V tile does less work per chunk and lets more CTAs (walks) share an SM,
 at the price of re-reading K and W once per tile. This prints, per configuration, the time of each
-walk at block_v = 32, 64, 128 and the width dispatch picks today.
+walk at block_v = 32, 64, 128 and the width dispatch picks today (at 128 the reverse walk forms W itself
+from GA, beta and the gates, `launch.walk_forms_w`, so its time there includes that product).
 
     python benchmarks/bench_walks.py [--reps 20]
 """
@@ -37,6 +38,7 @@ def main():
         x = launch.prepare(q, k, v, g, beta, cu)
         N = len(lengths)
         unused = torch.empty(1, D, D, device="cuda")
+        no_active = torch.zeros(1, dtype=torch.int32, device="cuda")
         h = torch.empty(x.chunk_slots, Hv, D, D, dtype=x.w.dtype, device="cuda")
         vnew, do = torch.empty_like(x.w), torch.randn_like(x.w)
         dS0 = torch.empty(N * Hv, D, D, device="cuda")
@@ -44,10 +46,11 @@ def main():
         for block_v in launch.BLOCK_V_CHOICES:
             states = launch.compiled_chunk_states(x.dtype, block_v)
             dstates = launch.compiled_chunk_dstates(x.dtype, block_v)
+            # the plain walk storing every chunk's state: no h0, final state, transition or active list
             run_states = functools.partial(states, x.k, x.w, x.u, x.gcum, x.cu, x.offsets, unused, h, vnew, unused,
-                                           0, 0, 1, 1)
-            run_dstates = functools.partial(dstates, x.q, x.k, x.w, do, x.gcum, x.cu, x.offsets, unused, h, dS0,
-                                            D ** -0.5, 0, 1, 1)
+                                           unused, no_active, 0, 0, 1, 0, 0)
+            run_dstates = functools.partial(dstates, x.q, x.k, x.w, x.GA, x.beta, do, x.gcum, x.cu, x.offsets, unused,
+                                            h, dS0, D ** -0.5, 0, 1, 1)
             run_states(), run_dstates()
             states_ms, dstates_ms = eager_median_ms(run_states, args.reps), eager_median_ms(run_dstates, args.reps)
             cells.append(f"{states_ms:8.3f} ms {dstates_ms:8.3f} ms")
