@@ -84,7 +84,8 @@ def build_chunk_bwd_local(dtype: str):
 
     @T.macro
     def row_and_column_sums(E, rows, cols, part, row_slot, col_slot):
-        """part[row_slot] = rowsum(E), part[col_slot] = colsum(E), reduced from E's fragment."""
+        """part[row_slot] = rowsum(E), part[col_slot] = colsum(E), reduced from E's fragment. For one warpgroup
+        only: TileLang's cross-warp column reduction syncs on named barriers 1 and 2 in every warpgroup."""
         T.reduce_sum(E, rows, dim=1)
         T.reduce_sum(E, cols, dim=0)
         for r in T.Parallel(C):
@@ -157,7 +158,6 @@ def build_chunk_bwd_local(dtype: str):
             KK = T.alloc_fragment((C, C), "float32")
             SdS = T.alloc_fragment((C, D), "float32")
             rows_A = T.alloc_fragment((C,), "float32")
-            cols_A = T.alloc_fragment((C,), "float32")
             rows_dX = T.alloc_fragment((C,), "float32")
             rows_L = T.alloc_fragment((C,), "float32")
             rows_SdS = T.alloc_fragment((C,), "float32")
