@@ -6,9 +6,9 @@
 The first argument is a module of flashqla.kernels.hopper or a file holding a variant of one; the rest is
 the builder and its arguments (integers where they look like integers). Prints the registers per thread
 (read from the cubin TileLang wrote), the dynamic shared memory and where each shared buffer starts
-(TileLang's planner lays buffers with disjoint lifetimes over each other), and how many CTAs of it fit
-on one H200 SM by registers and by shared memory: the occupancy Nsight Compute would report, before any
-device time is spent (docs/kernels.md, "Occupancy").
+(TileLang's planner lays buffers with disjoint lifetimes over each other), ptxas's spill stores and loads,
+and how many CTAs of it fit on one H200 SM by registers and by shared memory: the occupancy Nsight Compute
+would report, before any device time is spent (docs/kernels.md, "Occupancy").
 """
 from __future__ import annotations
 
@@ -59,6 +59,29 @@ def cubin_registers(path: str) -> int | None:
     return None
 
 
+def ptxas_report(compile_kernel):
+    """compile_kernel() with ptxas --verbose; returns ptxas's spill lines (nvcc's output TileLang captures)."""
+    import subprocess
+
+    from tilelang.contrib import nvcc
+
+    lines = []
+    popen = nvcc.subprocess.Popen
+
+    class Recording(popen):
+        def communicate(self, *args, **kwargs):
+            out, err = super().communicate(*args, **kwargs)
+            lines.extend(line for line in (out or b"").decode(errors="replace").splitlines() if "spill" in line)
+            return out, err
+
+    nvcc.subprocess = type("subprocess", (), {"Popen": Recording, "PIPE": subprocess.PIPE,
+                                              "STDOUT": subprocess.STDOUT, "TimeoutExpired": subprocess.TimeoutExpired})
+    try:
+        return compile_kernel(), lines
+    finally:
+        nvcc.subprocess = subprocess
+
+
 def main():
     if len(sys.argv) < 3:
         sys.exit(__doc__)
@@ -71,7 +94,8 @@ def main():
         from flashqla.kernels.hopper import launch
 
         prim_func = load_builder(target, builder)(*args)
-        kernel = tilelang.compile(prim_func, target=launch.TARGET, pass_configs=launch._pass_configs())
+        configs = {**launch._pass_configs(), "tl.device_compile_flags": ["--ptxas-options=--verbose"]}
+        kernel, spills = ptxas_report(lambda: tilelang.compile(prim_func, target=launch.TARGET, pass_configs=configs))
         source = kernel.get_kernel_source()
         threads = [int(x) for x in re.findall(r"__launch_bounds__\((\d+)", source)[:1]] or [0]
         host = "".join(open(p).read() for p in glob.glob(f"{cache}/**/host_kernel.cu", recursive=True))
@@ -82,6 +106,8 @@ def main():
     print(f"{target}.{builder}{tuple(args)}: {threads[0]} threads")
     print(f"  registers per thread: {registers if registers is not None else 'n/a (no cubin record)'}")
     print(f"  dynamic shared memory: {shared} bytes ({shared / 1024:.2f} KiB)")
+    for line in spills:
+        print(f"  ptxas: {line.strip()}")
     for name, offset in sorted(layout, key=lambda item: int(item[1])):
         print(f"    {int(offset):7d}  {name}")
     limits = {"shared memory": SHARED_PER_SM // (shared + SHARED_RESERVED_PER_CTA) if shared else None,
