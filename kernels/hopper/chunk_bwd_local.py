@@ -12,10 +12,22 @@ gradient of the state leaving it (dS, from `chunk_dstates`), with dOs = scale dO
     dA      = (dV_new (diag(beta) Vd)^T) o Gamma   dL = StrictLower(-A^T dA A^T),  G = diag(beta) dL
     dbeta   = rowsum(dX o Vd) + rowsum(dL o K K^T)
     dgc     = rowsum(dOs o diag(gamma) Q S) + rowsum(E_P) - colsum(E_P) + rowsum(E_A) - colsum(E_A)
-              - F - gamma o rowsum(K o dVd S^T),  dgc_last += sum(F)
+              - F - gamma o rowsum(K o dVd S^T),  dgc_last += sum(F) + gamma_last <S, dS>
               with E_P = dP o P, E_A = dGamma_A o (Gamma o A), F = (gamma_last/gamma) o rowsum(K o V_new dS^T)
+    dg      = reverse cumsum of dgc within the chunk (gc = cumsum g)
 
-    dgc_last += gamma_last <S, dS>,   dg = reverse cumsum of dgc within the chunk (gc = cumsum g)
+The column sums are row sums of tiles the kernel forms anyway (docs/algorithm.md, (D1)), taken from the same
+rounded tiles as the terms they cancel against ((D2): a form that mixes roundings loses dg under strong
+decay): colsum(E_P) = rowsum(V_new o dV_new) - F with P the bf16 scale P that dV_new is made from,
+rowsum(E_A) = rowsum(dV_new o V_new) with the other side of each product rounded, colsum(E_A) =
+rowsum(dX o diag(beta) Vd) with the bf16 diag(beta) Vd of dGamma_A, so F cancels and
+
+    dgc     = rowsum(dOs o diag(gamma) Q S) + rowsum(E_P) - rowsum(bf(V_new) o dV_new - V_new o bf(dV_new))
+              - rowsum(dX o bf(diag(beta) Vd)) - gamma o rowsum(K o dVd S^T)
+
+(no column sum, no E_A tile). H200, against the kernel with the column sums (2026-12-02): 2004 -> 1884 us at
+(16, 32) x 4K x 8, 4051 -> 3802 at (16, 64) x 8K x 4, 504 -> 467 at (4, 8) x 8K x 4; dq, dk, dv, dbeta bitwise
+equal, dg within 3e-4 (docs/kernels.md, "Twentieth session").
 
 Inputs in the flat token layout of the forward: q, k [T, Hqk, 128] (v-head h reads k-head h // (Hv/Hqk)), v
 and dOs [T, Hv, 128], GA = Gamma o A [T, Hv, 64] (wy_inverse's, the fused forward's operand; the forward
@@ -39,7 +51,8 @@ meeting only where one reads the other's tile (mbarriers, one phase each):
   | warpgroup  | products                                        | hands over                            |
   | values     | K S, GA Vd (V_new), K dS + P^T dOs (dV_new),    | V_new, dVd (= dv), G = diag(beta) dL; |
   |            | GA^T dV_new, dV_new Vd^T, K K^T, the two dL     | frees dO's tile after dV_new          |
-  |            | products; dbeta, E_A, gamma_last <S, dS>, dv    |                                       |
+  |            | products; dbeta, gamma_last <S, dS>, dv; the    |                                       |
+  |            | V_new and dX shares of dgc                      |                                       |
   | gradients  | Q K^T (P, E_P), dO S^T (dq), dO V_new^T (dP),   | scale P (for dV_new)                  |
   |            | V_new dS^T, (dP o Gamma) K, (dP o Gamma)^T Q,   |                                       |
   |            | dVd S^T, G K, G^T K; dq, dk, F                  |                                       |
@@ -49,15 +62,15 @@ between stages; 2026-12-02): 2175 -> 2035 us at (16, 32) x 4K x 8, 2179 -> 1994 
 (4, 8) x 8K x 4, 4366 -> 4029 at (16, 64) x 8K x 4 (docs/kernels.md, "Nineteenth session").
 
 Operands of the tensor-core products in the input dtype from shared memory, accumulators and the elementwise
-algebra in fp32. Column sums: E_P's by TileLang's cross-warp reduction (only the gradients warpgroup uses it:
-its named barriers 1 and 2 would mix two warpgroups' threads), E_A's as a serial loop over rows of a shared
-fp32 tile. 255 registers, no spills (each warpgroup keeps at most three [64, 128] accumulators live; the
-order of the products is chosen for that), 212 KiB of shared memory: one CTA per SM.
+algebra in fp32. Every sum is a row sum, within a warp (TileLang's cross-warp reduction syncs on named
+barriers 1 and 2 in every warpgroup, so two warpgroups must not use it at once; here none does). Each
+warpgroup keeps at most three [64, 128] accumulators live (the order of the products is chosen for that):
+one CTA per SM by registers and shared memory.
 
 Laid out for TileLang's layout inference, whose free-mode search is quadratic in the tile operators that
 share fragments (docs/kernels.md, "Fifteenth session"): fragments belong to one warpgroup and to few
 stages, and what crosses stages or warpgroups per row (gamma, gamma_last / gamma, each stage's share of dgc
-and dbeta) lives in small shared arrays, summed at the end (~35 s to compile on the 2-core CPU machine).
+and dbeta) lives in small shared arrays, summed at the end (~20 s to compile on the 2-core CPU machine).
 """
 import tilelang.language as T
 
@@ -81,17 +94,6 @@ def build_chunk_bwd_local(dtype: str):
     def gamma_mask(gc_sh, r, s, strict):
         """Gamma_rs = gamma_r / gamma_s on and below the diagonal (strictly below with `strict`), else 0."""
         return T.if_then_else(r > s if strict else r >= s, T.exp2(gc_sh[r] - gc_sh[s]), 0.0)
-
-    @T.macro
-    def row_and_column_sums(E, rows, cols, part, row_slot, col_slot):
-        """part[row_slot] = rowsum(E), part[col_slot] = colsum(E), reduced from E's fragment. For one warpgroup
-        only: TileLang's cross-warp column reduction syncs on named barriers 1 and 2 in every warpgroup."""
-        T.reduce_sum(E, rows, dim=1)
-        T.reduce_sum(E, cols, dim=0)
-        for r in T.Parallel(C):
-            part[row_slot, r] = rows[r]
-        for s in T.Parallel(C):
-            part[col_slot, s] = cols[s]
 
     @T.macro
     def store_rows(tile, out, t0, hv, n_rows):
@@ -135,17 +137,15 @@ def build_chunk_bwd_local(dtype: str):
             sP_s = T.alloc_shared((C, C), dtype)  # scale P (gradients -> values), then Lower(dGamma_A) (values)
             G_s = T.alloc_shared((C, C), dtype)  # values: GA^T Lower(dGamma_A), then G (-> gradients)
             dPG_s = T.alloc_shared((C, C), dtype)  # gradients: dP o Gamma
-            E_sh = T.alloc_shared((C, C), "float32")  # values: E_A, for its column sums
-            col_A = T.alloc_shared((C,), "float32")
             gc_sh = T.alloc_shared((C,), "float32")
             beta_sh = T.alloc_shared((C,), "float32")
             gam_sh = T.alloc_shared((C,), "float32")  # gamma of each row
             tail_sh = T.alloc_shared((C,), "float32")  # gamma_last / gamma of each row
             F_sh = T.alloc_shared((C,), "float32")
             dg_sh = T.alloc_shared((C,), "float32")
-            # shares of dgc: rowsum E_P, (gamma Q S) o dOs, rowsum E_A, K o dVd S^T, gamma_last <S, dS> by row,
-            # colsum E_P, colsum E_A; of dbeta: dX o Vd, dL o K K^T
-            dgc_part = T.alloc_shared((7, C), "float32")
+            # shares of dgc by row: rowsum E_P, (gamma Q S) o dOs, the V_new o dV_new difference, K o dVd S^T,
+            # gamma_last <S, dS> (the last row's), dX o diag(beta) Vd; of dbeta: dX o Vd, dL o K K^T
+            dgc_part = T.alloc_shared((6, C), "float32")
             dbeta_part = T.alloc_shared((2, C), "float32")
 
             # the values warpgroup's fragments
@@ -153,11 +153,12 @@ def build_chunk_bwd_local(dtype: str):
             KdS = T.alloc_fragment((C, D), "float32")  # K dS, then dV_new
             Vn = T.alloc_fragment((C, D), "float32")
             dX = T.alloc_fragment((C, D), "float32")
-            dGA = T.alloc_fragment((C, C), "float32")  # dGamma_A, then E_A
+            dGA = T.alloc_fragment((C, C), "float32")  # dGamma_A
             dL = T.alloc_fragment((C, C), "float32")
             KK = T.alloc_fragment((C, C), "float32")
             SdS = T.alloc_fragment((C, D), "float32")
             rows_A = T.alloc_fragment((C,), "float32")
+            rows_Vn = T.alloc_fragment((C,), "float32")
             rows_dX = T.alloc_fragment((C,), "float32")
             rows_L = T.alloc_fragment((C,), "float32")
             rows_SdS = T.alloc_fragment((C,), "float32")
@@ -169,7 +170,6 @@ def build_chunk_bwd_local(dtype: str):
             acc_k = T.alloc_fragment((C, D), "float32")
             dVdS = T.alloc_fragment((C, D), "float32")
             rows_P = T.alloc_fragment((C,), "float32")
-            cols_P = T.alloc_fragment((C,), "float32")
             rows_QS = T.alloc_fragment((C,), "float32")
             rows_F = T.alloc_fragment((C,), "float32")
             rows_dVd = T.alloc_fragment((C,), "float32")
@@ -244,6 +244,13 @@ def build_chunk_bwd_local(dtype: str):
                     T.barrier_arrive(do_free)
                     T.copy(KdS, dVn_s)
                     T.fence_proxy_async()
+                    # rowsum(E_A) - colsum(E_P) - F = rowsum(V_new o bf(dV_new) - bf(V_new) o dV_new)   (D2)
+                    for r, j in T.Parallel(C, D):
+                        Vn[r, j] = (Vn[r, j] * T.cast(T.cast(KdS[r, j], dtype), "float32")
+                                    - T.cast(T.cast(Vn[r, j], dtype), "float32") * KdS[r, j])
+                    T.reduce_sum(Vn, rows_Vn, dim=1)
+                    for r in T.Parallel(C):
+                        dgc_part[2, r] = rows_Vn[r]
                     T.sync_threads(VALUES_BARRIER, WG)
 
                     # dGamma_A = dV_new (diag(beta) Vd)^T, dX = GA^T dV_new and K K^T together
@@ -252,11 +259,9 @@ def build_chunk_bwd_local(dtype: str):
                     T.wgmma_gemm(K_s, K_s, KK, transpose_B=True, clear_accum=True)
                     T.wait_wgmma(2)
                     T.warpgroup_fence_operand(dGA, num_regs=C * C // WG)
-                    # sP_s <- Lower(dGamma_A) (dV_new's product has read scale P); E_A = dGamma_A o GA -> E_sh
+                    # sP_s <- Lower(dGamma_A) (dV_new's product has read scale P)
                     for r, s in T.Parallel(C, C):
                         sP_s[r, s] = T.if_then_else(r >= s, dGA[r, s], 0.0)
-                    for r, s in T.Parallel(C, C):
-                        E_sh[r, s] = dGA[r, s] * GA_s[r, s]
                     T.fence_proxy_async()
                     T.sync_threads(VALUES_BARRIER, WG)
                     # dL = StrictLower(-A^T dA A^T) from GA alone (docs/kernels.md, "Seventeenth session"):
@@ -275,6 +280,12 @@ def build_chunk_bwd_local(dtype: str):
                         dVn_s[r, j] = beta_sh[r] * dX[r, j]
                     T.fence_proxy_async()
                     T.barrier_arrive(dvd_ready)
+                    # colsum(E_A) = rowsum(dX o diag(beta) Vd), with the bf16 diag(beta) Vd of dGamma_A (V_s)   (D2)
+                    for r, j in T.Parallel(C, D):
+                        dX[r, j] = dX[r, j] * V_s[r, j]
+                    T.reduce_sum(dX, rows_A, dim=1)
+                    for r in T.Parallel(C):
+                        dgc_part[5, r] = rows_A[r]
                     T.wait_wgmma(0)
                     T.warpgroup_fence_operand(KK, num_regs=C * C // WG)
                     T.warpgroup_fence_operand(dL, num_regs=C * C // WG)
@@ -297,18 +308,6 @@ def build_chunk_bwd_local(dtype: str):
                     T.reduce_sum(KK, rows_L, dim=1)
                     for r in T.Parallel(C):
                         dbeta_part[1, r] = rows_L[r]
-                    # E_A's row sums and (serially over E_sh's rows) column sums
-                    T.copy(E_sh, dGA)
-                    T.reduce_sum(dGA, rows_A, dim=1)
-                    for r in T.Parallel(C):
-                        dgc_part[2, r] = rows_A[r]
-                    for s in T.Parallel(C):
-                        col_A[s] = 0.0
-                    for r in T.serial(C):
-                        for s in T.Parallel(C):
-                            col_A[s] = col_A[s] + E_sh[r, s]
-                    for s in T.Parallel(C):
-                        dgc_part[6, s] = col_A[s]
                     # gamma_last <S, dS> by row of S (it joins dgc of the last row), in two row halves
                     for half in T.serial(2):
                         for r, j in T.Parallel(C, D):
@@ -323,11 +322,12 @@ def build_chunk_bwd_local(dtype: str):
                     T.wgmma_gemm(dO_s, S_s, acc_q, transpose_B=True, clear_accum=True)
                     T.wait_wgmma(1)
                     T.warpgroup_fence_operand(PY, num_regs=C * C // WG)
-                    # P = Gamma o Q K^T (fp32, for E_P); scale P -> sP_s for the values warpgroup's dV_new
+                    # scale P = scale Gamma o Q K^T -> sP_s for the values warpgroup's dV_new; PY keeps it rounded
+                    # as sP_s holds it (E_P's row sum stands in for colsum(E_P) through dV_new, (D2))
                     for r, s in T.Parallel(C, C):
-                        PY[r, s] = PY[r, s] * gamma_mask(gc_sh, r, s, False)
+                        PY[r, s] = T.cast(PY[r, s] * gamma_mask(gc_sh, r, s, False) * scale, dtype)
                     for r, s in T.Parallel(C, C):
-                        sP_s[r, s] = PY[r, s] * scale
+                        sP_s[r, s] = PY[r, s]
                     T.fence_proxy_async()
                     T.barrier_arrive(sp_ready)
                     T.wait_wgmma(0)
@@ -346,8 +346,8 @@ def build_chunk_bwd_local(dtype: str):
                     T.wgmma_gemm(Vn_s, dS_s, VndS, transpose_B=True, clear_accum=True)
                     T.wait_wgmma(1)
                     T.warpgroup_fence_operand(dP, num_regs=C * C // WG)
-                    # dPG_s <- dP o Gamma; dq = diag(gamma) dOs S^T + (dP o Gamma) K while E_P = dP o P is
-                    # summed; then dk = (dP o Gamma)^T Q + ... (issued once P and dP are done with: registers)
+                    # dPG_s <- dP o Gamma; dq = diag(gamma) dOs S^T + (dP o Gamma) K while rowsum(E_P) = rowsum(dO V_new^T
+                    # o scale P) is taken; then dk = (dP o Gamma)^T Q + ... (issued once P and dP are done with)
                     for r, s in T.Parallel(C, C):
                         dP[r, s] = dP[r, s] * scale
                     for r, s in T.Parallel(C, C):
@@ -357,7 +357,9 @@ def build_chunk_bwd_local(dtype: str):
                     T.wgmma_gemm(dPG_s, K_s, acc_q)
                     for r, s in T.Parallel(C, C):
                         dP[r, s] = dP[r, s] * PY[r, s]
-                    row_and_column_sums(dP, rows_P, cols_P, dgc_part, 0, 5)
+                    T.reduce_sum(dP, rows_P, dim=1)
+                    for r in T.Parallel(C):
+                        dgc_part[0, r] = rows_P[r] / scale
                     T.wgmma_gemm(dPG_s, Q_s, acc_k, transpose_A=True, clear_accum=True)
                     T.wait_wgmma(1)
                     T.warpgroup_fence_operand(VndS, num_regs=C * D // WG)
@@ -368,7 +370,8 @@ def build_chunk_bwd_local(dtype: str):
                     store_rows(dO_s, dq, t0, hv, n_rows)
                     T.wait_wgmma(0)
                     T.warpgroup_fence_operand(acc_k, num_regs=C * D // WG)
-                    # dk += diag(gamma_last / gamma) V_new dS^T;  F = that scale o rowsum(K o V_new dS^T)
+                    # dk += diag(gamma_last / gamma) V_new dS^T;  F = that scale o rowsum(K o V_new dS^T) (its sum
+                    # joins the last row's dgc)
                     for r, j in T.Parallel(C, D):
                         acc_k[r, j] = acc_k[r, j] + tail_sh[r] * VndS[r, j]
                     for r, j in T.Parallel(C, D):
@@ -406,7 +409,7 @@ def build_chunk_bwd_local(dtype: str):
                 # dg = reverse cumsum of dgc over the rows that exist; the last row's sum(F) reaches all
                 for r in T.Parallel(C):
                     dg_sh[r] = T.if_then_else(r < n_rows, dgc_part[0, r] + dgc_part[1, r] + dgc_part[2, r]
-                                              + dgc_part[3, r] - dgc_part[5, r] - dgc_part[6, r] - F_sh[r], 0.0)
+                                              + dgc_part[3, r] - dgc_part[5, r], 0.0)
                 T.cumsum(src=dg_sh, dst=dg_sh, dim=0, reverse=True)
                 for r in T.Parallel(C):
                     if r < n_rows:
