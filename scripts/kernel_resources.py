@@ -62,20 +62,19 @@ def cubin_registers(path: str) -> int | None:
 def ptxas_report(compile_kernel):
     """compile_kernel() with ptxas --verbose; returns ptxas's spill lines (nvcc's output TileLang captures)."""
     import subprocess
+    import types
 
     from tilelang.contrib import nvcc
 
     lines = []
-    popen = nvcc.subprocess.Popen
 
-    class Recording(popen):
+    class Recording(subprocess.Popen):
         def communicate(self, *args, **kwargs):
             out, err = super().communicate(*args, **kwargs)
             lines.extend(line for line in (out or b"").decode(errors="replace").splitlines() if "spill" in line)
             return out, err
 
-    nvcc.subprocess = type("subprocess", (), {"Popen": Recording, "PIPE": subprocess.PIPE,
-                                              "STDOUT": subprocess.STDOUT, "TimeoutExpired": subprocess.TimeoutExpired})
+    nvcc.subprocess = types.SimpleNamespace(**{**vars(subprocess), "Popen": Recording})  # for nvcc.py alone
     try:
         return compile_kernel(), lines
     finally:
