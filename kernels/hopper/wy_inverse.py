@@ -28,20 +28,22 @@ the last chunk and rows past the end of a sequence write nothing. Rows past the 
 keys, so they cannot reach the rows that exist (A is lower triangular).
 
 Schedule (one warpgroup, 128 threads, per (chunk, v-head)):
-  1. load the K tile (rows beyond the sequence end zeroed); K K^T on tensor cores (fp32 accumulate), its
-     strict lower part and X = I to fp32 shared memory; then beta and g, cumsum g, store gcum, and
-     L = StrictLower(diag(beta) K K^T) by scaling the rows in place;
+  1. load the K tile (rows beyond the sequence end zeroed); the forward's build reads beta and g, cumsums g
+     and stores gcum while K is in flight; K K^T on tensor cores (fp32 accumulate), its strict lower part
+     scaled by beta as it leaves the accumulator, L = StrictLower(diag(beta) K K^T), and X = I to fp32
+     shared memory (the build with W and U reads the gates after L and X are laid out and scales L in place:
+     its small buffers would otherwise sit between the big tiles and cost it a CTA per SM);
   2. invert the four 16x16 diagonal blocks of I + L by fp32 forward substitution, one column per
-     thread held in registers (64 threads, no barrier inside the substitution);
+     thread held in registers (64 threads, no barrier inside the substitution; two partial sums per row);
   3. merge 16 -> 32: X21 = -D1^{-1} L21 D0^{-1} for both 32-blocks (fp32, each thread 4 rows of a column);
   4. merge 32 -> 64: X21 = -P1^{-1} L21 P0^{-1}, two 32 x 32 x 32 products on tensor cores (TF32 mma.sync
      from the fp32 tiles, fp32 accumulation); both merges stage L21 X11 in the upper-right block of X (zero
      in X, zeroed again after use);
-  5. mask by Gamma, store GA (from its shared tile, 16 bytes per thread and store); with W and U: the
-     same tile then holds Gamma o (A diag(beta)), load the V tile into the bytes X leaves; W =
-     diag(gamma) ((A diag(beta)) K), then U = (Gamma o (A diag(beta))) V on tensor cores through one fp32
-     accumulator, each staged as the input dtype through its input tile so the rows that exist are
-     stored 16 bytes at a time.
+  5. mask by Gamma and store GA straight from X's tile (8 columns of a row per thread, one 16-byte store, no
+     branch); with W and U: Gamma o (A diag(beta)) to a shared tile, load the V tile into the bytes X
+     leaves; W = diag(gamma) ((A diag(beta)) K), then U = (Gamma o (A diag(beta))) V on tensor cores
+     through one fp32 accumulator, each staged as the input dtype through its input tile so the rows that
+     exist are stored 16 bytes at a time.
 Steps 2-4 on CUDA cores in fp32 replaced a barrier per substituted row and TF32 tensor-core merges with
 staging copies (H200, 2026-11-30: 0.34 -> 0.24 ms at (2, 8) x 32K tokens, 1.25 -> 0.94 ms at (16, 32)).
 The 32 -> 64 merge, 65K of the CTA's FMAs and 29% of its time there, went back to TF32 tensor cores as two
@@ -50,7 +52,11 @@ GA against a float64 inverse 2.09e-4 -> 2.20e-4 relative (the bf16 rounding of G
 float64 torch backend 3.97e-3 -> 3.98e-3), docs/kernels.md "Eighteenth session". The late V
 load, the in-X staging, one accumulator and beta/g laid out after the big tiles take the CTA from 158
 registers and 73 KiB of shared memory (3 CTAs per SM, Nsight Compute: 18.75% occupancy) to 124 registers
-and 48.5 KiB (4 CTAs per SM).
+and 48.5 KiB (4 CTAs per SM). In the forward's build, the gates read during the K load, beta folded into
+L, two partial sums in the substitution and GA stored from X's tile without the branchy per-element
+staging pass (one thread per column, a divergent branch and a 2-byte shared store per element): 570 -> 460
+us at (16, 64) x 8K x 4, 294 -> 236 at (16, 32) x 4K x 8, 75 -> 60 at (2, 8) x 32K (H200, 2026-12-02; GA
+within 1.1e-6 of before, the substitution's summation order), docs/kernels.md "Twenty-first session".
 """
 import tilelang
 import tilelang.language as T
@@ -70,6 +76,17 @@ def build_wy_inverse(dtype: str, with_wu: bool = True):
     num_v_heads = T.dynamic("num_v_heads")
     num_seqs = T.dynamic("num_seqs")
     C, D = CHUNK, HEAD_DIM
+
+    @T.macro
+    def load_gates(beta, g, gcum, beta_sh, g_sh, start, n_rows, last, h):
+        """beta and the chunk-local cumsum of g to shared memory (zero past the sequence end); gcum stored."""
+        for r in T.Parallel(C):
+            beta_sh[r] = T.if_then_else(r < n_rows, beta[start + T.min(r, last), h], 0.0)
+            g_sh[r] = T.if_then_else(r < n_rows, g[start + T.min(r, last), h], 0.0)
+        T.cumsum(src=g_sh, dst=g_sh, dim=0)
+        for r in T.Parallel(C):
+            if r < n_rows:
+                gcum[h, start + r] = g_sh[r]
 
     @T.prim_func
     def wy_inverse(
@@ -97,7 +114,7 @@ def build_wy_inverse(dtype: str, with_wu: bool = True):
             KKt = T.alloc_fragment((C, C), "float32")
             L_sh = T.alloc_shared((C, C), "float32")
             X_sh = T.alloc_shared((C, C), "float32")
-            GA_sh = T.alloc_shared((C, C), dtype)  # GA; with W and U then Gamma o (A diag(beta)) for U
+            GA_row = T.alloc_local((8,), dtype)  # step 5: 8 columns of one row of GA
             col = T.alloc_local((16,), "float32")  # step 3: this thread's column of a diagonal block
             acc = T.alloc_local((4,), "float32")
             Y = T.alloc_fragment((32, 32), "float32")  # step 4's products
@@ -106,45 +123,46 @@ def build_wy_inverse(dtype: str, with_wu: bool = True):
             seq, start, n_rows = chunk_of_slot(cu_seqlens, chunk_offsets, num_seqs, chunk, search_steps)
             last = T.max(n_rows - 1, 0)
 
-            # --- loads -----------------------------------------------------------------------------
+            # --- loads (the forward's build reads the gates while K is in flight) -----------------------
             T.async_copy(k[start:start + C, hk, 0:D], K_sh)
+            if not with_wu:
+                load_gates(beta, g, gcum, beta_sh, g_sh, start, n_rows, last, h)
             T.ptx_wait_group(0)
             T.sync_threads()
             if n_rows < C:
                 for r, d in T.Parallel(C, D):
                     if r >= n_rows:
                         K_sh[r, d] = T.cast(0, dtype)
-            # --- L = StrictLower(diag(beta) K K^T) -------------------------------------------------
-            # (beta and g are read after L and X are laid out: their small buffers then do not sit
-            # between the big tiles in shared memory)
+            # --- L = StrictLower(diag(beta) K K^T); X = I ------------------------------------------------
             T.gemm(K_sh, K_sh, KKt, transpose_B=True, clear_accum=True)
-            for r, s in T.Parallel(C, C):
-                L_sh[r, s] = T.if_then_else(r > s, KKt[r, s], 0.0)
-                X_sh[r, s] = T.if_then_else(r == s, 1.0, 0.0)
-            for r in T.Parallel(C):
-                beta_sh[r] = T.if_then_else(r < n_rows, beta[start + T.min(r, last), h], 0.0)
-                g_sh[r] = T.if_then_else(r < n_rows, g[start + T.min(r, last), h], 0.0)
-            T.cumsum(src=g_sh, dst=g_sh, dim=0)
-            for r in T.Parallel(C):
-                if r < n_rows:
-                    gcum[h, start + r] = g_sh[r]
-            T.sync_threads()
-            for r, s in T.Parallel(C, C):
-                L_sh[r, s] = beta_sh[r] * L_sh[r, s]
+            if not with_wu:  # beta applied as L leaves the accumulator
+                for r, s in T.Parallel(C, C):
+                    L_sh[r, s] = T.if_then_else(r > s, beta_sh[r] * KKt[r, s], 0.0)
+                    X_sh[r, s] = T.if_then_else(r == s, 1.0, 0.0)
+                T.sync_threads()
+            else:  # the gates read only now: their small buffers then do not sit between the big tiles
+                for r, s in T.Parallel(C, C):
+                    L_sh[r, s] = T.if_then_else(r > s, KKt[r, s], 0.0)
+                    X_sh[r, s] = T.if_then_else(r == s, 1.0, 0.0)
+                load_gates(beta, g, gcum, beta_sh, g_sh, start, n_rows, last, h)
+                T.sync_threads()
+                for r, s in T.Parallel(C, C):
+                    L_sh[r, s] = beta_sh[r] * L_sh[r, s]
 
             # --- 16x16 diagonal blocks, one column per thread in registers: x_i = e_i - sum_{j<i} L_ij x_j
             tx = T.get_thread_binding()
             for i in T.unroll(16):  # read only where j < i after unrolling; zeroed for TileLang's init check
                 col[i] = 0.0
-            if tx < 64:
+            if tx < 64:  # two partial sums (even and odd j) halve each row's chain of dependent FMAs
                 blk = tx // 16
                 c = tx % 16
                 for i in T.unroll(16):
                     acc[0] = T.if_then_else(i == c, 1.0, 0.0)
+                    acc[1] = 0.0
                     for j in T.unroll(16):
                         if j < i:
-                            acc[0] = acc[0] - L_sh[blk * 16 + i, blk * 16 + j] * col[j]
-                    col[i] = acc[0]
+                            acc[j % 2] = acc[j % 2] - L_sh[blk * 16 + i, blk * 16 + j] * col[j]
+                    col[i] = acc[0] + acc[1]
                 for i in T.unroll(16):
                     X_sh[blk * 16 + i, blk * 16 + c] = col[i]
             T.sync_threads()
@@ -183,14 +201,18 @@ def build_wy_inverse(dtype: str, with_wu: bool = True):
             T.sync_threads()
 
             # --- GA = Gamma o X (its gate mask applied once here, so the fused walk takes it as a product
-            # operand); rows that exist, from its tile, 16 bytes per thread and store -------------------
-            for r, s in T.Parallel(C, C):
-                GA_sh[r, s] = T.if_then_else(
-                    r >= s, T.cast(X_sh[r, s] * T.exp2((g_sh[r] - g_sh[s]) * LOG2E), dtype), T.cast(0, dtype))
-            T.sync_threads()
-            for r, s in T.Parallel(C, C):
+            # operand), straight from X's tile to global memory: 8 consecutive columns of one row per thread,
+            # one 16-byte store, no branch (T.Select evaluates both sides: above the diagonal the discarded
+            # one may be 0 x inf) ---------------------------------------------------------------------------
+            c0 = (tx % 8) * 8
+            for i in T.unroll(4):
+                r = i * 16 + tx // 8
+                for j in T.vectorized(8):
+                    GA_row[j] = T.cast(T.Select(r >= c0 + j, X_sh[r, c0 + j] * T.exp2((g_sh[r] - g_sh[c0 + j]) * LOG2E),
+                                                0.0), dtype)
                 if r < n_rows:
-                    GA[start + r, h, s] = GA_sh[r, s]
+                    for j in T.vectorized(8):
+                        GA[start + r, h, c0 + j] = GA_row[j]
 
             if with_wu:  # a build-time branch: the forward-only build plans its shared memory without it
                 # --- W = diag(gamma) (X diag(beta)) K,  U = (Gamma o (X diag(beta))) V ---------------------
@@ -199,13 +221,12 @@ def build_wy_inverse(dtype: str, with_wu: bool = True):
                 # 16-byte row stores
                 V_sh = T.alloc_shared((C, D), dtype)
                 Ab_sh = T.alloc_shared((C, C), dtype)
+                GA_sh = T.alloc_shared((C, C), dtype)  # Gamma o (A diag(beta)), U's operand
                 WU = T.alloc_fragment((C, D), "float32")  # W, then U (one accumulator: 64 registers per thread)
-                T.sync_threads()  # GA's stores read its tile
                 for r, s in T.Parallel(C, C):
                     Ab_sh[r, s] = T.cast(X_sh[r, s] * beta_sh[s], dtype)
-                    GA_sh[r, s] = T.if_then_else(
-                        r >= s, T.cast(X_sh[r, s] * beta_sh[s] * T.exp2((g_sh[r] - g_sh[s]) * LOG2E), dtype),
-                        T.cast(0, dtype))
+                    GA_sh[r, s] = T.cast(T.Select(r >= s, X_sh[r, s] * beta_sh[s] * T.exp2((g_sh[r] - g_sh[s]) * LOG2E),
+                                                  0.0), dtype)
                 T.sync_threads()  # V takes the bytes of X, which the loop above read
                 T.async_copy(v[start:start + C, h, 0:D], V_sh)
                 T.gemm(Ab_sh, K_sh, WU, clear_accum=True)
