@@ -92,8 +92,9 @@ def build_chunk_bwd_local(dtype: str):
     C, D, WG = CHUNK, HEAD_DIM, WARPGROUP
 
     def gamma_mask(gc_sh, r, s, strict):
-        """Gamma_rs = gamma_r / gamma_s on and below the diagonal (strictly below with `strict`), else 0."""
-        return T.if_then_else(r > s if strict else r >= s, T.exp2(gc_sh[r] - gc_sh[s]), 0.0)
+        """Gamma_rs = gamma_r / gamma_s on and below the diagonal (strictly below with `strict`), else 0. A select,
+        not a branch: both sides are evaluated (above the diagonal the exponent may be large; it is discarded)."""
+        return T.Select(r > s if strict else r >= s, T.exp2(gc_sh[r] - gc_sh[s]), 0.0)
 
     @T.macro
     def store_rows(tile, out, t0, hv, n_rows):

@@ -108,8 +108,7 @@ def build_chunk_dstates(dtype: str, block_v: int, form_w: bool):
         T.warpgroup_fence_operand(P, num_regs=C * C // threads)
         # scale (Gamma o Q K^T) over the rows that exist; with it P^T dO = P^T dOs
         for r, s in T.Parallel(C, C):
-            P[r, s] = T.if_then_else(r < n_rows, T.if_then_else(
-                r >= s, P[r, s] * T.exp2(gc_sh[r] - gc_sh[s]) * scale, 0.0), 0.0)
+            P[r, s] = T.Select(r < n_rows and r >= s, P[r, s] * T.exp2(gc_sh[r] - gc_sh[s]) * scale, 0.0)
         T.copy(P, P_sh)
         for r, j in T.Parallel(C, BV):
             KdS[r, j] = KdS[r, j] * tail[r]

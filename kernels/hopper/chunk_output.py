@@ -69,7 +69,7 @@ def build_chunk_output(dtype: str):
                 T.gemm(Q_s, S_s, O, clear_accum=True)
                 T.gemm(Q_s, K_s, P, transpose_B=True, clear_accum=True)
                 for r, s in T.Parallel(C, C):
-                    P_s[r, s] = T.if_then_else(r >= s, P[r, s] * T.exp2(gc_sh[r] - gc_sh[s]), 0.0)
+                    P_s[r, s] = T.Select(r >= s, P[r, s] * T.exp2(gc_sh[r] - gc_sh[s]), 0.0)
                 for r, j in T.Parallel(C, D):
                     O[r, j] = O[r, j] * T.exp2(gc_sh[r])
                 T.gemm(P_s, Vn_s, O)

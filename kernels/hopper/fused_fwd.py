@@ -250,8 +250,7 @@ def build_fused_fwd(dtype: str, block_v: int):
                         T.wait_wgmma(2)
                         T.warpgroup_fence_operand(P, num_regs=C * C // WG)
                         for r, s in T.Parallel(C, C):
-                            P[r, s] = T.if_then_else(
-                                r >= s, P[r, s] * T.exp2(g_s[stage, r] - g_s[stage, s]) * scale, 0.0)
+                            P[r, s] = T.Select(r >= s, P[r, s] * T.exp2(g_s[stage, r] - g_s[stage, s]) * scale, 0.0)
                         T.copy(P, P_sh)
                         T.fence_proxy_async()
                         T.wait_wgmma(0)
