@@ -85,7 +85,7 @@ def main():
     if len(sys.argv) < 3:
         sys.exit(__doc__)
     target, builder, *raw = sys.argv[1:]
-    args = [int(a) if a.lstrip("-").isdigit() else a for a in raw]
+    args = [int(a) if a.lstrip("-").isdigit() else {"True": True, "False": False}.get(a, a) for a in raw]
     with tempfile.TemporaryDirectory() as cache:
         os.environ["TILELANG_CACHE_DIR"] = cache  # a fresh cache: the cubin found below is this kernel's
         import tilelang
