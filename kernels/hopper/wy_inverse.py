@@ -30,8 +30,9 @@ keys, so they cannot reach the rows that exist (A is lower triangular).
 Schedule (one warpgroup, 128 threads, per (chunk, v-head)):
   1. load the K tile (rows beyond the sequence end zeroed); the forward's build reads beta and g, cumsums g
      and stores gcum while K is in flight; K K^T on tensor cores (fp32 accumulate), its strict lower part
-     scaled by beta as it leaves the accumulator, L = StrictLower(diag(beta) K K^T), and X = I to fp32
-     shared memory (the build with W and U reads the gates after L and X are laid out and scales L in place:
+     scaled by beta as it leaves the accumulator, L = StrictLower(diag(beta) K K^T), to fp32 shared memory
+     (X, the inverse, is written in full by steps 2-4 before it is read: no identity fill, except in the build
+     with W and U, where it keeps TileLang's first-use layout of the tiles at 48.5 KiB; that build reads the gates after L and X are laid out and scales L in place:
      its small buffers would otherwise sit between the big tiles and cost it a CTA per SM);
   2. invert the four 16x16 diagonal blocks of I + L by fp32 forward substitution, one column per
      thread held in registers (64 threads, no barrier inside the substitution; two partial sums per row);
@@ -54,9 +55,11 @@ load, the in-X staging, one accumulator and beta/g laid out after the big tiles 
 registers and 73 KiB of shared memory (3 CTAs per SM, Nsight Compute: 18.75% occupancy) to 124 registers
 and 48.5 KiB (4 CTAs per SM). In the forward's build, the gates read during the K load, beta folded into
 L, two partial sums in the substitution and GA stored from X's tile without the branchy per-element
-staging pass (one thread per column, a divergent branch and a 2-byte shared store per element): 570 -> 460
-us at (16, 64) x 8K x 4, 294 -> 236 at (16, 32) x 4K x 8, 75 -> 60 at (2, 8) x 32K (H200, 2026-12-02; GA
-within 1.1e-6 of before, the substitution's summation order), docs/kernels.md "Twenty-first session".
+staging pass (one thread per column, a divergent branch and a 2-byte shared store per element), then X's
+identity fill dropped: 570 -> 460 -> 438 us at (16, 64) x 8K x 4, 294 -> 236 -> 226 at (16, 32) x 4K x 8,
+75 -> 60 -> 57 at (2, 8) x 32K (H200, 2026-12-02; GA within 1.1e-6 of before, the substitution's summation
+order; FlashQLA 0.1.3's kkt_solve + chunk cumsum on the same inputs 450, 227, 62), docs/kernels.md
+"Twenty-first session".
 """
 import tilelang
 import tilelang.language as T
@@ -114,7 +117,9 @@ def build_wy_inverse(dtype: str, with_wu: bool = True):
             KKt = T.alloc_fragment((C, C), "float32")
             L_sh = T.alloc_shared((C, C), "float32")
             X_sh = T.alloc_shared((C, C), "float32")
-            GA_row = T.alloc_local((8,), dtype)  # step 5: 8 columns of one row of GA
+            X_row = T.alloc_local((8,), "float32")  # step 5: 8 columns of one row of X, their gates, of GA
+            g_cols = T.alloc_local((8,), "float32")
+            GA_row = T.alloc_local((8,), dtype)
             col = T.alloc_local((16,), "float32")  # step 3: this thread's column of a diagonal block
             acc = T.alloc_local((4,), "float32")
             Y = T.alloc_fragment((32, 32), "float32")  # step 4's products
@@ -133,14 +138,16 @@ def build_wy_inverse(dtype: str, with_wu: bool = True):
                 for r, d in T.Parallel(C, D):
                     if r >= n_rows:
                         K_sh[r, d] = T.cast(0, dtype)
-            # --- L = StrictLower(diag(beta) K K^T); X = I ------------------------------------------------
+            # --- L = StrictLower(diag(beta) K K^T). X = (I + L)^{-1} needs no initial value: the steps below
+            # write every element of it before any is read (the diagonal blocks with their zeros above the
+            # diagonal, the lower blocks, the upper blocks as staging that is zeroed after use) -----------------
             T.gemm(K_sh, K_sh, KKt, transpose_B=True, clear_accum=True)
             if not with_wu:  # beta applied as L leaves the accumulator
                 for r, s in T.Parallel(C, C):
                     L_sh[r, s] = T.if_then_else(r > s, beta_sh[r] * KKt[r, s], 0.0)
-                    X_sh[r, s] = T.if_then_else(r == s, 1.0, 0.0)
                 T.sync_threads()
-            else:  # the gates read only now: their small buffers then do not sit between the big tiles
+            else:  # the gates read only now: their small buffers then do not sit between the big tiles (an X
+                # fill first too: laid out by first use, this build's tiles need 65 KiB without it, 48.5 with it)
                 for r, s in T.Parallel(C, C):
                     L_sh[r, s] = T.if_then_else(r > s, KKt[r, s], 0.0)
                     X_sh[r, s] = T.if_then_else(r == s, 1.0, 0.0)
@@ -208,8 +215,11 @@ def build_wy_inverse(dtype: str, with_wu: bool = True):
             for i in T.unroll(4):
                 r = i * 16 + tx // 8
                 for j in T.vectorized(8):
-                    GA_row[j] = T.cast(T.Select(r >= c0 + j, X_sh[r, c0 + j] * T.exp2((g_sh[r] - g_sh[c0 + j]) * LOG2E),
-                                                0.0), dtype)
+                    X_row[j] = X_sh[r, c0 + j]
+                    g_cols[j] = g_sh[c0 + j]
+                for j in T.unroll(8):
+                    GA_row[j] = T.cast(T.Select(r >= c0 + j, X_row[j] * T.exp2((g_sh[r] - g_cols[j]) * LOG2E), 0.0),
+                                       dtype)
                 if r < n_rows:
                     for j in T.vectorized(8):
                         GA[start + r, h, c0 + j] = GA_row[j]
