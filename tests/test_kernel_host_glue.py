@@ -5,6 +5,8 @@ Covers the split and fused forwards, intra-card segments on the kernel path, the
 segmented), and the inter-card summaries and entering-state gradients. Inputs are bf16 (what the kernels take); the emulators compute in fp64, so
 the limits are bf16's (the kernels' own precision is tested on the H200 in tests/gpu).
 """
+import itertools
+
 import pytest
 import torch
 
@@ -358,6 +360,54 @@ def test_plan_chunk_offsets_are_the_kernels_own():
     plan = plan_segments(tuple(random_cu_seqlens(lengths)[:-1].tolist()), lengths, 2)
     idx = _plan_tensors(plan, sum(lengths), torch.device("cpu"))
     assert torch.equal(idx.chunk_offsets, chunk_offsets_of(idx.cu))
+
+
+def test_sequence_layout_is_the_kernels_own():
+    """backends.sequence_layout (the unsegmented path's cu_seqlens and chunk offsets, built on the host once
+    per layout) holds what the kernels' host code computes on the device, empty and 1-token sequences too."""
+    from flashqla.kernels.hopper.launch import chunk_offsets_of
+    from flashqla.ops import backends, torch_backend
+
+    for batch, lengths in ((1, (300, 1, 0, 200, 64, 129)), (1, (7,)), (3, (128, 128, 128))):
+        cu = None if batch > 1 else random_cu_seqlens(lengths)
+        plan = torch_backend.make_plan(batch, sum(lengths) // batch, None if cu is None else cu.tolist(), 0)
+        got_cu, got_offsets = backends.sequence_layout(plan.starts, plan.lengths, torch.device("cpu"))
+        want_cu = torch.tensor([0] + list(itertools.accumulate(lengths)), dtype=torch.int32)
+        assert got_cu.dtype == torch.int32 and torch.equal(got_cu, want_cu)
+        assert got_offsets.dtype == torch.int32 and torch.equal(got_offsets, chunk_offsets_of(want_cu))
+        assert backends.sequence_layout(plan.starts, plan.lengths, torch.device("cpu"))[1] is got_offsets
+
+
+@pytest.mark.parametrize("batch", [1, 2], ids=["varlen_int64", "batch_no_cu"])
+def test_public_op_unsegmented_passes_its_layout_to_the_kernels(hopper, monkeypatch, batch):
+    """The public op's unsegmented kernel path hands the kernels the plan's cu_seqlens and chunk offsets
+    (int32, built once per layout), so neither the forward nor the backward computes chunk offsets on the
+    device, for an int64 varlen pack and for a batch without cu_seqlens; gradients are the torch backend's."""
+    import flashqla
+    from flashqla.kernels.hopper import launch
+    from flashqla.ops import backends
+
+    monkeypatch.setattr(backends, "tilelang_unsupported_reason", lambda call: None)  # "tilelang" on the CPU
+    lengths = [200, 1, 129] if batch == 1 else [192, 192]
+    args = make_inputs(batch, sum(lengths) // batch, 2, 4, 128, 128, dtype=torch.bfloat16,
+                       num_seqs=len(lengths), with_h0=True, strong_heads=(3,), seed=21, requires_grad=False)
+    cu = random_cu_seqlens(lengths).long() if batch == 1 else None
+    computed = []
+    real_offsets = launch.chunk_offsets_of
+    monkeypatch.setattr(launch, "chunk_offsets_of", lambda c: computed.append(c) or real_offsets(c))
+    gen = torch.Generator().manual_seed(22)
+    do = torch.randn(args["v"].shape, generator=gen).bfloat16()
+    names = NAMES + ("initial_state",)
+    grads = {}
+    for backend in ("tilelang", "torch"):
+        leaves = {n: args[n].clone().requires_grad_(True) for n in names}
+        o, _ = flashqla.chunk_gated_delta_rule(**leaves, cu_seqlens=cu, backend=backend, intra_cp="off")
+        o.backward(do)
+        grads[backend] = [leaves[n].grad for n in names]
+        if backend == "tilelang":
+            assert computed == []
+    for name, a, b, limit in zip(names, grads["tilelang"], grads["torch"], (1e-2, 1e-2, 1e-2, 2e-2, 2e-2, 1e-2)):
+        assert rel_err(a, b) <= limit, (name, rel_err(a, b))
 
 
 @pytest.mark.parametrize("fused", [False, True], ids=["split", "fused"])

@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib.util
+import itertools
 import logging
 import os
 from dataclasses import dataclass
@@ -12,6 +13,7 @@ import torch
 
 from ..cp import segments
 from . import torch_backend
+from .layout import CHUNK
 
 log = logging.getLogger("flashqla")
 
@@ -120,13 +122,13 @@ def forward(name: str, call: Call, scale: float, output_final_state: bool, plan,
             *out, kept = segments.segmented_forward(hopper, c.q, c.k, c.v, c.g, c.beta, scale, c.initial_state,
                                                     output_final_state, plan, cp_warmup, with_starts=True,
                                                     keep_inverse=keep_inverse)
-        elif keep_inverse:
-            *out, inverse = hopper.chunk_gdn_fwd(c.q, c.k, c.v, c.g, c.beta, scale, c.initial_state,
-                                                 output_final_state, c.cu_seqlens, keep_inverse=True)
-            kept = segments.Kept(inverse=inverse)
         else:
-            out = hopper.chunk_gdn_fwd(c.q, c.k, c.v, c.g, c.beta, scale, c.initial_state, output_final_state,
-                                       c.cu_seqlens)
+            cu, chunk_offsets = sequence_layout(plan.starts, plan.lengths, c.q.device)
+            out = hopper.chunk_gdn_fwd(c.q, c.k, c.v, c.g, c.beta, scale, c.initial_state, output_final_state, cu,
+                                       keep_inverse=keep_inverse, chunk_offsets=chunk_offsets)
+            if keep_inverse:
+                *out, inverse = out
+                kept = segments.Kept(inverse=inverse)
     else:
         out = torch_backend.forward(c.q, c.k, c.v, c.g, c.beta, scale, c.initial_state, output_final_state, plan,
                                     cp_warmup)
@@ -195,6 +197,18 @@ def entering_state_gradient(name: str, q, k, v, g, beta, scale, do, segments: tu
 
 
 @functools.lru_cache(maxsize=64)
+def sequence_layout(starts: tuple[int, ...], lengths: tuple[int, ...], device: torch.device):
+    """(cu_seqlens, chunk offsets), int32 on `device`, of the sequences of an unsegmented plan (rows at
+    `starts` of `lengths` tokens in the flat stream), built on the host once per layout: what the kernels'
+    host code would otherwise compute on the device in every forward and backward (a dtype conversion of
+    int64 offsets and five small launches for the chunk offsets)."""
+    bounds = starts + (starts[-1] + lengths[-1],)
+    offsets = itertools.accumulate((-(-n // CHUNK) for n in lengths), initial=0)
+    return (torch.tensor(bounds, dtype=torch.int32, device=device),
+            torch.tensor(list(offsets), dtype=torch.int32, device=device))
+
+
+@functools.lru_cache(maxsize=64)
 def device_offsets(segments: tuple[int, ...] | None, device: torch.device) -> torch.Tensor | None:
     """Host offsets `segments` as the kernels' int32 cu_seqlens on `device`, built once per layout (no
     host-to-device copy per step)."""
@@ -210,8 +224,9 @@ def backward(name: str, call: Call, scale: float, plan, cp_warmup, do, dht, kept
         if plan.is_segmented:
             return segments.segmented_backward(hopper, c.q, c.k, c.v, c.g, c.beta, scale, c.initial_state, plan,
                                                cp_warmup, do, dht, kept=kept)
-        return hopper.chunk_gdn_bwd(c.q, c.k, c.v, c.g, c.beta, scale, c.initial_state, c.cu_seqlens, do, dht,
-                                    kept=None if kept is None else kept.inverse)
+        cu, chunk_offsets = sequence_layout(plan.starts, plan.lengths, c.q.device)
+        return hopper.chunk_gdn_bwd(c.q, c.k, c.v, c.g, c.beta, scale, c.initial_state, cu, do, dht,
+                                    kept=None if kept is None else kept.inverse, chunk_offsets=chunk_offsets)
     return torch_backend.backward(c.q, c.k, c.v, c.g, c.beta, scale, c.initial_state, plan, do, dht, cp_warmup)
 
 

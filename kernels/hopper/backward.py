@@ -124,17 +124,17 @@ def backward_of(x: ChunkedCall, q, k, v, g, beta, do, scale, h0, dht):
             dg.t().reshape(g.shape).to(g.dtype), dbeta.view(beta.shape).to(beta.dtype), dS0)
 
 
-def chunk_gdn_bwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht, kept=None):
+def chunk_gdn_bwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht, kept=None, chunk_offsets=None):
     """Gradients (dq, dk, dv, dg, dbeta, dh0) of `chunk_gdn_fwd`'s o (upstream `do`) and final state (`dht`).
 
     Shapes and dtypes as chunk_gdn_fwd's inputs (validated, contiguous); do [B, T, Hv, 128]; dht fp32
     [N, Hv, 128, 128] or None; kept: the forward's `KeptInverse` (keep_inverse=True), or None to
-    recompute it. dh0 is None without an initial state.
+    recompute it; chunk_offsets as in chunk_gdn_fwd. dh0 is None without an initial state.
     """
     if kept is None:
-        x = prepare(q, k, v, g, beta, cu_seqlens, walk_operands=False)
+        x = prepare(q, k, v, g, beta, cu_seqlens, chunk_offsets, walk_operands=False)
     else:
-        x = prepare_from_kept(q, k, v, beta, kept, cu_seqlens)
+        x = prepare_from_kept(q, k, v, beta, kept, cu_seqlens, chunk_offsets)
     *grads, dS0 = backward_of(x, q, k, v, g, beta, output_gradient(x, do), scale, initial_state, dht)
     return (*grads, None if initial_state is None else dS0.to(initial_state.dtype))
 

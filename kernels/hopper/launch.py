@@ -390,11 +390,12 @@ def output(x: ChunkedCall, h, vnew, scale: float) -> torch.Tensor:
 
 
 def chunk_gdn_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, fused=True,
-                  keep_inverse=False):
+                  keep_inverse=False, chunk_offsets=None):
     """Forward of GDN chunked prefill on SM90. Inputs validated and contiguous by the caller.
 
     q, k [B, T, Hqk, 128]; v [B, T, Hv, 128]; g fp32 [B, T, Hv] (natural log); beta [B, T, Hv];
-    initial_state fp32 [N, Hv, 128, 128] or None; cu_seqlens [N + 1] (B == 1) or None.
+    initial_state fp32 [N, Hv, 128, 128] or None; cu_seqlens [N + 1] (B == 1) or None; chunk_offsets:
+    `chunk_offsets_of(cu_seqlens)` when the caller keeps it for the layout (else computed on the device).
     Returns o [B, T, Hv, 128] in q's dtype and the fp32 final state [N, Hv, 128, 128] or None, and with
     keep_inverse a third item, the `KeptInverse` for `chunk_gdn_bwd` (references to the forward's own GA and
     gates: nothing more is computed or stored).
@@ -408,7 +409,7 @@ def chunk_gdn_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu
     """
     if not isinstance(fused, bool):  # None once meant "by shape"; it must not quietly mean the split path
         raise TypeError(f"fused must be True or False, got {fused!r}")
-    x = prepare(q, k, v, g, beta, cu_seqlens, walk_operands=not fused)
+    x = prepare(q, k, v, g, beta, cu_seqlens, chunk_offsets, walk_operands=not fused)
     if fused:
         o, ht = fused_forward(x, v, initial_state, scale, output_final_state)
     else:
