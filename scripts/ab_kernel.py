@@ -1,0 +1,201 @@
+"""One kernel of flashqla.kernels.hopper against a variant of it, on the arguments the public op passes it.
+
+    # here, without a GPU: build the variant for sm_90a into its own TileLang cache (carry it to the device)
+    .venv/bin/python scripts/ab_kernel.py compile path/to/variant.py build_wy_inverse bfloat16 False --cache DIR
+    # on the H200 (the committed kernels prebuilt, DIR merged into TILELANG_CACHE_DIR or given as --cache):
+    python3 scripts/ab_kernel.py run wy_inverse path/to/variant.py build_wy_inverse bfloat16 False \\
+        --configs 16:64:8192x4,2:8:32768x1 [--intra-cp off] [--reps 20]
+
+KERNEL names `launch.compiled_<KERNEL>`, the builder's arguments (integers, True/False, strings) are its
+build arguments. For every config (Hqk:Hv:tokens-per-sequence x sequences, bench_gdn's model-like inputs),
+one fwd+bwd of the public op records the first launch of KERNEL with those build arguments; the committed
+kernel and the variant then run on their own copies of its tensors. The outputs are the tensors the
+committed kernel changes; both runs start with them NaN-filled, so memory one of them leaves unwritten
+shows as a count of positions where exactly one is NaN. Prints, per config, both times (CUDA-graph
+medians, on a GPU) and the relative L2 difference of every output. This is how kernel variants are judged
+(docs/kernels.md, "Checking on the H200"): outputs and time side by side, in one process.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+from dataclasses import dataclass
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(HERE, "..", "benchmarks"))
+
+from kernel_resources import load_builder  # noqa: E402
+
+
+def parse_build_args(raw):
+    """Command-line builder arguments: integers where they look like integers, True/False as bools."""
+    return tuple(int(a) if a.lstrip("-").isdigit() else {"True": True, "False": False}.get(a, a) for a in raw)
+
+
+def _clone(args):
+    return [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+
+
+def record_launch(kernel: str, build_args: tuple, run) -> tuple:
+    """(the committed kernel, a copy of the arguments of its first launch with `build_args`) while `run()`
+    runs. Patches `compiled_<kernel>` wherever the kernels' host modules bound it."""
+    from flashqla.kernels.hopper import backward, launch
+
+    name = f"compiled_{kernel}"
+    real = getattr(launch, name)
+    seen = {}
+
+    def spy(*args):
+        compiled = real(*args)
+        if tuple(args) != tuple(build_args):
+            return compiled
+
+        def call(*call_args):
+            seen.setdefault("args", _clone(call_args))
+            return compiled(*call_args)
+        return call
+
+    modules = [m for m in (launch, backward) if hasattr(m, name)]
+    for module in modules:
+        setattr(module, name, spy)
+    try:
+        run()
+    finally:
+        for module in modules:
+            setattr(module, name, real)
+    if "args" not in seen:
+        raise RuntimeError(f"no launch of {kernel}{build_args} in this call")
+    return real(*build_args), seen["args"]
+
+
+@dataclass
+class Comparison:
+    outputs: dict  # argument index -> (relative L2 difference over positions both wrote, positions one left NaN)
+
+
+def _nan_fill(args, outputs):
+    for i in outputs:
+        if args[i].is_floating_point():
+            args[i].fill_(float("nan"))
+    return args
+
+
+def compare(committed, variant, args) -> Comparison:
+    """Runs both kernels on their own copies of `args` and compares what the committed one writes."""
+    probe = _clone(args)
+    committed(*probe)
+    outputs = [i for i, (a, b) in enumerate(zip(probe, args)) if isinstance(a, torch.Tensor)
+               and bool(((a != b) & ~(a.isnan() & b.isnan())).any())]
+    ours, theirs = _nan_fill(_clone(args), outputs), _nan_fill(_clone(args), outputs)
+    committed(*ours)
+    variant(*theirs)
+    result = {}
+    for i in outputs:
+        a, b = ours[i].double(), theirs[i].double()
+        one_nan = int((a.isnan() ^ b.isnan()).sum())
+        both = ~(a.isnan() | b.isnan())
+        ref = a[both].norm()
+        diff = (a[both] - b[both]).norm()
+        result[i] = ((diff / ref).item() if ref > 0 else diff.item(), one_nan)
+    return Comparison(result)
+
+
+def graph_time_us(fn, reps=20, rounds=15) -> float:
+    """Median microseconds per call of fn(), replayed in a CUDA graph of `reps` calls."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            fn()
+    times = []
+    for _ in range(rounds):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        stop.record()
+        stop.synchronize()
+        times.append(start.elapsed_time(stop) * 1e3 / reps)
+    return statistics.median(times)
+
+
+def public_op_step(inputs, intra_cp):
+    """fwd+bwd of the public op (TileLang backend) on bench_gdn's inputs."""
+    import flashqla
+
+    q, k, v, g, beta, cu = inputs
+    leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v, g, beta)]
+    o, _ = flashqla.chunk_gated_delta_rule(*leaves, cu_seqlens=cu, backend="tilelang", intra_cp=intra_cp)
+    o.backward(torch.ones_like(o))
+
+
+def parse_config(text):
+    """"Hqk:Hv:LENxN" -> (Hqk, Hv, [LEN] * N)."""
+    Hqk, Hv, seqs = text.split(":")
+    length, count = seqs.split("x")
+    return int(Hqk), int(Hv), [int(length)] * int(count)
+
+
+def ab(kernel, build_args, variant, configs, make_inputs, intra_cp="off", reps=20, log=print):
+    """For every config: record the launch, compare, time both (on a GPU). Returns the rows it printed."""
+    rows = []
+    for Hqk, Hv, lengths in configs:
+        inputs = make_inputs(Hqk, Hv, lengths)
+        committed, args = record_launch(kernel, build_args, lambda: public_op_step(inputs, intra_cp))
+        comparison = compare(committed, variant, args)
+        row = {"config": f"({Hqk}, {Hv}) {lengths[0]} x {len(lengths)}", "outputs": comparison.outputs}
+        if torch.cuda.is_available():
+            row["committed_us"] = graph_time_us(lambda: committed(*args), reps)
+            row["variant_us"] = graph_time_us(lambda: variant(*args), reps)
+        diffs = ", ".join(f"arg {i}: {err:.2e}" + (f" ({nan} unwritten)" if nan else "")
+                          for i, (err, nan) in comparison.outputs.items())
+        times = (f"committed {row['committed_us']:.1f} us, variant {row['variant_us']:.1f} us "
+                 f"({row['committed_us'] / row['variant_us']:.3f}x); " if "variant_us" in row else "")
+        log(f"{row['config']}: {times}{diffs}")
+        rows.append(row)
+    return rows
+
+
+def compile_variant(path, builder, build_args):
+    import tilelang
+
+    from flashqla.kernels.hopper import launch
+
+    return tilelang.compile(load_builder(path, builder)(*build_args), target=launch.TARGET,
+                            pass_configs=launch._pass_configs())
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("mode", choices=["compile", "run"])
+    ap.add_argument("rest", nargs="+", help="compile: VARIANT BUILDER ARGS...; run: KERNEL VARIANT BUILDER ARGS...")
+    ap.add_argument("--cache", default=None, help="the variant's TileLang cache directory")
+    ap.add_argument("--configs", default="16:32:4096x8,2:8:32768x1")
+    ap.add_argument("--intra-cp", default="off")
+    ap.add_argument("--reps", type=int, default=20)
+    opts = ap.parse_args()
+    if opts.cache:
+        os.environ["TILELANG_CACHE_DIR"] = os.path.abspath(opts.cache)
+    if opts.mode == "compile":
+        path, builder, *raw = opts.rest
+        compile_variant(path, builder, parse_build_args(raw))
+        print(f"compiled {path}:{builder}{parse_build_args(raw)} into {os.environ.get('TILELANG_CACHE_DIR')}")
+        return
+    kernel, path, builder, *raw = opts.rest
+    build_args = parse_build_args(raw)
+    from bench_gdn import make_inputs
+
+    variant = compile_variant(path, builder, build_args)
+    intra_cp = opts.intra_cp if opts.intra_cp in ("off", "auto") else int(opts.intra_cp)
+    ab(kernel, build_args, variant, [parse_config(c) for c in opts.configs.split(",")], make_inputs, intra_cp,
+       opts.reps)
+
+
+if __name__ == "__main__":
+    main()

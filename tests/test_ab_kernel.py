@@ -1,0 +1,70 @@
+"""scripts/ab_kernel.py on the CPU, with the kernel emulators standing in for compiled kernels: it finds the
+launch the public op makes, compares a variant's outputs with the committed kernel's, and flags a variant
+that writes different values or leaves memory unwritten (timing needs the H200)."""
+import functools
+import os
+import sys
+
+import pytest
+import torch
+
+import kernel_emulator
+from gdn_inputs import make_inputs, random_cu_seqlens
+
+pytest.importorskip("tilelang")
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
+
+import ab_kernel  # noqa: E402
+
+CONFIGS = [(2, 4, [100, 29]), (1, 2, [64])]
+
+
+def cpu_inputs(Hqk, Hv, lengths):
+    args = make_inputs(1, sum(lengths), Hqk, Hv, 128, 128, dtype=torch.bfloat16, num_seqs=len(lengths),
+                       strong_heads=(Hv - 1,), seed=3, requires_grad=False)
+    return args["q"], args["k"], args["v"], args["g"], args["beta"], random_cu_seqlens(lengths)
+
+
+@pytest.fixture
+def emulated(monkeypatch):
+    kernel_emulator.install(monkeypatch)
+    from flashqla.ops import backends
+
+    monkeypatch.setattr(backends, "tilelang_unsupported_reason", lambda call: None)  # "tilelang" on the CPU
+
+
+def test_parse_build_args_and_configs():
+    assert ab_kernel.parse_build_args(["bfloat16", "False", "128", "True"]) == ("bfloat16", False, 128, True)
+    assert ab_kernel.parse_config("16:64:8192x4") == (16, 64, [8192] * 4)
+
+
+def test_the_committed_kernel_against_itself_agrees_exactly(emulated):
+    same = functools.partial(kernel_emulator.emulate_wy_inverse, with_wu=False)
+    rows = ab_kernel.ab("wy_inverse", ("bfloat16", False), same, CONFIGS, cpu_inputs, log=lambda line: None)
+    for row in rows:
+        # GA (6) and gcum (7) are what the forward build writes
+        assert sorted(row["outputs"]) == [6, 7]
+        assert all(err == 0 and unwritten == 0 for err, unwritten in row["outputs"].values()), row
+
+
+def test_a_wrong_variant_shows_in_values_and_unwritten_rows(emulated):
+    def off_by_a_percent(*args):
+        kernel_emulator.emulate_wy_inverse(*args, with_wu=False)
+        args[6].mul_(1.01)  # GA
+
+    def leaves_the_last_rows(*args):
+        kernel_emulator.emulate_wy_inverse(*args, with_wu=False)
+        args[7][:, -5:] = float("nan")  # gcum's last tokens unwritten, as a kernel that skipped them
+
+    wrong = ab_kernel.ab("wy_inverse", ("bfloat16", False), off_by_a_percent, CONFIGS[:1], cpu_inputs,
+                         log=lambda line: None)[0]["outputs"]
+    assert 5e-3 < wrong[6][0] < 2e-2 and wrong[6][1] == 0 and wrong[7] == (0.0, 0)
+    unwritten = ab_kernel.ab("wy_inverse", ("bfloat16", False), leaves_the_last_rows, CONFIGS[:1], cpu_inputs,
+                             log=lambda line: None)[0]["outputs"]
+    assert unwritten[7][1] == 4 * 5 and unwritten[6] == (0.0, 0)
+
+
+def test_a_launch_the_call_never_makes_is_an_error(emulated):
+    with pytest.raises(RuntimeError, match="no launch"):
+        ab_kernel.record_launch("wy_inverse", ("bfloat16", True), lambda: ab_kernel.public_op_step(
+            cpu_inputs(2, 4, [64]), "off"))
