@@ -362,11 +362,14 @@ def test_plan_chunk_offsets_are_the_kernels_own():
     assert torch.equal(idx.chunk_offsets, chunk_offsets_of(idx.cu))
 
 
-def test_sequence_layout_is_the_kernels_own():
+def test_sequence_layout_is_the_kernels_own(monkeypatch):
     """backends.sequence_layout (the unsegmented path's cu_seqlens and chunk offsets, built on the host once
-    per layout) holds what the kernels' host code computes on the device, empty and 1-token sequences too."""
+    per layout, the last MAX_SEQUENCE_LAYOUTS kept) holds what the kernels' host code computes on the device,
+    empty and 1-token sequences too."""
     from flashqla.kernels.hopper.launch import chunk_offsets_of
     from flashqla.ops import backends, torch_backend
+
+    monkeypatch.setattr(backends, "_SEQUENCE_LAYOUTS", type(backends._SEQUENCE_LAYOUTS)())
 
     for batch, lengths in ((1, (300, 1, 0, 200, 64, 129)), (1, (7,)), (3, (128, 128, 128))):
         cu = None if batch > 1 else random_cu_seqlens(lengths)
@@ -376,18 +379,29 @@ def test_sequence_layout_is_the_kernels_own():
         assert got_cu.dtype == torch.int32 and torch.equal(got_cu, want_cu)
         assert got_offsets.dtype == torch.int32 and torch.equal(got_offsets, chunk_offsets_of(want_cu))
         assert backends.sequence_layout(plan.starts, plan.lengths, torch.device("cpu"))[1] is got_offsets
+    assert backends.sequence_layout((0,), (5,), torch.device("cpu"), build=False) is None
+    cpu = torch.device("cpu")
+    layouts = [backends.sequence_layout((0,), (n,), cpu) for n in range(backends.MAX_SEQUENCE_LAYOUTS + 1)]
+    assert len(backends._SEQUENCE_LAYOUTS) == backends.MAX_SEQUENCE_LAYOUTS  # the oldest dropped
+    assert backends.sequence_layout((0,), (0,), cpu, build=False) is None
+    assert backends.sequence_layout((0,), (1,), cpu, build=False) is layouts[1]
 
 
+@pytest.mark.parametrize("capturing", [False, True], ids=["eager", "capture_of_a_new_layout"])
 @pytest.mark.parametrize("batch", [1, 2], ids=["varlen_int64", "batch_no_cu"])
-def test_public_op_unsegmented_passes_its_layout_to_the_kernels(hopper, monkeypatch, batch):
+def test_public_op_unsegmented_passes_its_layout_to_the_kernels(hopper, monkeypatch, batch, capturing):
     """The public op's unsegmented kernel path hands the kernels the plan's cu_seqlens and chunk offsets
     (int32, built once per layout), so neither the forward nor the backward computes chunk offsets on the
-    device, for an int64 varlen pack and for a batch without cu_seqlens; gradients are the torch backend's."""
+    device, for an int64 varlen pack and for a batch without cu_seqlens; while a CUDA graph is captured
+    with a layout not built yet (no host-to-device copy allowed) the kernels get the call's own cu_seqlens
+    and compute them as before. Gradients are the torch backend's either way."""
     import flashqla
     from flashqla.kernels.hopper import launch
     from flashqla.ops import backends
 
     monkeypatch.setattr(backends, "tilelang_unsupported_reason", lambda call: None)  # "tilelang" on the CPU
+    monkeypatch.setattr(backends, "_SEQUENCE_LAYOUTS", type(backends._SEQUENCE_LAYOUTS)())
+    monkeypatch.setattr(backends, "_capturing", lambda x: capturing)
     lengths = [200, 1, 129] if batch == 1 else [192, 192]
     args = make_inputs(batch, sum(lengths) // batch, 2, 4, 128, 128, dtype=torch.bfloat16,
                        num_seqs=len(lengths), with_h0=True, strong_heads=(3,), seed=21, requires_grad=False)
@@ -405,7 +419,8 @@ def test_public_op_unsegmented_passes_its_layout_to_the_kernels(hopper, monkeypa
         o.backward(do)
         grads[backend] = [leaves[n].grad for n in names]
         if backend == "tilelang":
-            assert computed == []
+            assert len(computed) == (2 if capturing else 0)  # the forward's and the backward's
+            assert len(backends._SEQUENCE_LAYOUTS) == (0 if capturing else 1)
     for name, a, b, limit in zip(names, grads["tilelang"], grads["torch"], (1e-2, 1e-2, 1e-2, 2e-2, 2e-2, 1e-2)):
         assert rel_err(a, b) <= limit, (name, rel_err(a, b))
 

@@ -1,6 +1,7 @@
 """Backend dispatch: each backend answers "can you run this call?" with None or a reason string."""
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import importlib.util
@@ -123,7 +124,7 @@ def forward(name: str, call: Call, scale: float, output_final_state: bool, plan,
                                                     output_final_state, plan, cp_warmup, with_starts=True,
                                                     keep_inverse=keep_inverse)
         else:
-            cu, chunk_offsets = sequence_layout(plan.starts, plan.lengths, c.q.device)
+            cu, chunk_offsets = kernel_layout(c, plan)
             out = hopper.chunk_gdn_fwd(c.q, c.k, c.v, c.g, c.beta, scale, c.initial_state, output_final_state, cu,
                                        keep_inverse=keep_inverse, chunk_offsets=chunk_offsets)
             if keep_inverse:
@@ -196,16 +197,43 @@ def entering_state_gradient(name: str, q, k, v, g, beta, scale, do, segments: tu
     return torch_backend.entering_state_gradient(q, k, v, g, beta, scale, do, segments)
 
 
-@functools.lru_cache(maxsize=64)
-def sequence_layout(starts: tuple[int, ...], lengths: tuple[int, ...], device: torch.device):
+_SEQUENCE_LAYOUTS: collections.OrderedDict = collections.OrderedDict()
+MAX_SEQUENCE_LAYOUTS = 64
+
+
+def sequence_layout(starts: tuple[int, ...], lengths: tuple[int, ...], device: torch.device, build: bool = True):
     """(cu_seqlens, chunk offsets), int32 on `device`, of the sequences of an unsegmented plan (rows at
-    `starts` of `lengths` tokens in the flat stream), built on the host once per layout: what the kernels'
-    host code would otherwise compute on the device in every forward and backward (a dtype conversion of
-    int64 offsets and five small launches for the chunk offsets)."""
+    `starts` of `lengths` tokens in the flat stream), built on the host once per layout (the last
+    MAX_SEQUENCE_LAYOUTS are kept): what the kernels' host code would otherwise compute on the device in
+    every forward and backward (a dtype conversion of int64 offsets and five small launches for the chunk
+    offsets). None for a layout not built yet when `build` is False."""
+    key = (starts, lengths, device)
+    if key in _SEQUENCE_LAYOUTS:
+        _SEQUENCE_LAYOUTS.move_to_end(key)
+        return _SEQUENCE_LAYOUTS[key]
+    if not build:
+        return None
     bounds = starts + (starts[-1] + lengths[-1],)
     offsets = itertools.accumulate((-(-n // CHUNK) for n in lengths), initial=0)
-    return (torch.tensor(bounds, dtype=torch.int32, device=device),
-            torch.tensor(list(offsets), dtype=torch.int32, device=device))
+    layout = (torch.tensor(bounds, dtype=torch.int32, device=device),
+              torch.tensor(list(offsets), dtype=torch.int32, device=device))
+    _SEQUENCE_LAYOUTS[key] = layout
+    if len(_SEQUENCE_LAYOUTS) > MAX_SEQUENCE_LAYOUTS:
+        _SEQUENCE_LAYOUTS.popitem(last=False)
+    return layout
+
+
+def _capturing(x: torch.Tensor) -> bool:
+    return x.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+def kernel_layout(call: Call, plan):
+    """(cu_seqlens, chunk offsets or None) for the kernels of an unsegmented call: the plan's `sequence_layout`,
+    except while a CUDA graph is being captured with a layout not built yet (a host-to-device copy is not
+    allowed then): the call's own cu_seqlens, whose chunk offsets the kernels' host code computes on the
+    device, as before the layout was kept."""
+    layout = sequence_layout(plan.starts, plan.lengths, call.q.device, build=not _capturing(call.q))
+    return layout if layout is not None else (call.cu_seqlens, None)
 
 
 @functools.lru_cache(maxsize=64)
@@ -224,7 +252,7 @@ def backward(name: str, call: Call, scale: float, plan, cp_warmup, do, dht, kept
         if plan.is_segmented:
             return segments.segmented_backward(hopper, c.q, c.k, c.v, c.g, c.beta, scale, c.initial_state, plan,
                                                cp_warmup, do, dht, kept=kept)
-        cu, chunk_offsets = sequence_layout(plan.starts, plan.lengths, c.q.device)
+        cu, chunk_offsets = kernel_layout(c, plan)
         return hopper.chunk_gdn_bwd(c.q, c.k, c.v, c.g, c.beta, scale, c.initial_state, cu, do, dht,
                                     kept=None if kept is None else kept.inverse, chunk_offsets=chunk_offsets)
     return torch_backend.backward(c.q, c.k, c.v, c.g, c.beta, scale, c.initial_state, plan, do, dht, cp_warmup)
