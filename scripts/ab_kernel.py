@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 from dataclasses import dataclass
 
@@ -29,12 +28,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "..", "benchmarks"))
 
-from kernel_resources import load_builder  # noqa: E402
-
-
-def parse_build_args(raw):
-    """Command-line builder arguments: integers where they look like integers, True/False as bools."""
-    return tuple(int(a) if a.lstrip("-").isdigit() else {"True": True, "False": False}.get(a, a) for a in raw)
+from kernel_resources import load_builder, parse_build_args  # noqa: E402
 
 
 def _clone(args):
@@ -106,23 +100,10 @@ def compare(committed, variant, args) -> Comparison:
 
 
 def graph_time_us(fn, reps=20, rounds=15) -> float:
-    """Median microseconds per call of fn(), replayed in a CUDA graph of `reps` calls."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            fn()
-    times = []
-    for _ in range(rounds):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        stop.record()
-        stop.synchronize()
-        times.append(start.elapsed_time(stop) * 1e3 / reps)
-    return statistics.median(times)
+    """Median microseconds per call of fn(), from CUDA-graph replays of `reps` calls (bench_gdn's timer)."""
+    from bench_gdn import graph_median_ms
+
+    return graph_median_ms(lambda: [fn() for _ in range(reps)], rounds) * 1e3 / reps
 
 
 def public_op_step(inputs, intra_cp):

@@ -39,6 +39,11 @@ def load_builder(target: str, builder: str):
     return getattr(module, builder)
 
 
+def parse_build_args(raw) -> tuple:
+    """Command-line builder arguments: integers where they look like integers, True/False as bools."""
+    return tuple(int(a) if a.lstrip("-").isdigit() else {"True": True, "False": False}.get(a, a) for a in raw)
+
+
 def cubin_registers(path: str) -> int | None:
     """Registers per thread of the kernel in a cubin: the EIATTR_REGCOUNT record (attribute 0x2f, format
     EIFMT_SVAL) of its .nv.info section, what `cuobjdump --dump-resource-usage` prints as REG."""
@@ -85,7 +90,7 @@ def main():
     if len(sys.argv) < 3:
         sys.exit(__doc__)
     target, builder, *raw = sys.argv[1:]
-    args = [int(a) if a.lstrip("-").isdigit() else {"True": True, "False": False}.get(a, a) for a in raw]
+    args = parse_build_args(raw)
     with tempfile.TemporaryDirectory() as cache:
         os.environ["TILELANG_CACHE_DIR"] = cache  # a fresh cache: the cubin found below is this kernel's
         import tilelang
