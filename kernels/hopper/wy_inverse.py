@@ -32,8 +32,9 @@ Schedule (one warpgroup, 128 threads, per (chunk, v-head)):
      and stores gcum while K is in flight; K K^T on tensor cores (fp32 accumulate), its strict lower part
      scaled by beta as it leaves the accumulator, L = StrictLower(diag(beta) K K^T), to fp32 shared memory
      (X, the inverse, is written in full by steps 2-4 before it is read: no identity fill, except in the build
-     with W and U, where it keeps TileLang's first-use layout of the tiles at 48.5 KiB; that build reads the gates after L and X are laid out and scales L in place:
-     its small buffers would otherwise sit between the big tiles and cost it a CTA per SM);
+     with W and U, where it keeps TileLang's first-use layout of the tiles at 48.5 KiB; that build reads the
+     gates after L and X are laid out and scales L in place: its small buffers would otherwise sit between
+     the big tiles and cost it a CTA per SM);
   2. invert the four 16x16 diagonal blocks of I + L by fp32 forward substitution, one column per
      thread held in registers (64 threads, no barrier inside the substitution; two partial sums per row);
   3. merge 16 -> 32: X21 = -D1^{-1} L21 D0^{-1} for both 32-blocks (fp32, each thread 4 rows of a column);
