@@ -123,23 +123,27 @@ def parse_config(text):
     return int(Hqk), int(Hv), [int(length)] * int(count)
 
 
-def ab(kernel, build_args, variant, configs, make_inputs, intra_cp="off", reps=20, log=print):
-    """For every config: record the launch, compare, time both (on a GPU). Returns the rows it printed."""
+def ab(kernel, build_args, variants, configs, make_inputs, intra_cp="off", reps=20, log=print):
+    """For every config: record the launch once, compare every variant in `variants` ({name: kernel}) with the
+    committed kernel and time them all (on a GPU). Returns the rows it printed, one per config and variant."""
     rows = []
     for Hqk, Hv, lengths in configs:
         inputs = make_inputs(Hqk, Hv, lengths)
         committed, args = record_launch(kernel, build_args, lambda: public_op_step(inputs, intra_cp))
-        comparison = compare(committed, variant, args)
-        row = {"config": f"({Hqk}, {Hv}) {lengths[0]} x {len(lengths)}", "outputs": comparison.outputs}
-        if torch.cuda.is_available():
-            row["committed_us"] = graph_time_us(lambda: committed(*args), reps)
-            row["variant_us"] = graph_time_us(lambda: variant(*args), reps)
-        diffs = ", ".join(f"arg {i}: {err:.2e}" + (f" ({nan} unwritten)" if nan else "")
-                          for i, (err, nan) in comparison.outputs.items())
-        times = (f"committed {row['committed_us']:.1f} us, variant {row['variant_us']:.1f} us "
-                 f"({row['committed_us'] / row['variant_us']:.3f}x); " if "variant_us" in row else "")
-        log(f"{row['config']}: {times}{diffs}")
-        rows.append(row)
+        committed_us = graph_time_us(lambda: committed(*args), reps) if torch.cuda.is_available() else None
+        for name, variant in variants.items():
+            comparison = compare(committed, variant, args)
+            row = {"config": f"({Hqk}, {Hv}) {lengths[0]} x {len(lengths)}", "variant": name,
+                   "outputs": comparison.outputs}
+            if committed_us is not None:
+                row["committed_us"] = committed_us
+                row["variant_us"] = graph_time_us(lambda: variant(*args), reps)
+            diffs = ", ".join(f"arg {i}: {err:.2e}" + (f" ({nan} unwritten)" if nan else "")
+                              for i, (err, nan) in comparison.outputs.items())
+            times = (f"committed {row['committed_us']:.1f} us, variant {row['variant_us']:.1f} us "
+                     f"({row['committed_us'] / row['variant_us']:.3f}x); " if "variant_us" in row else "")
+            log(f"{row['config']} {name}: {times}{diffs}")
+            rows.append(row)
     return rows
 
 
@@ -155,7 +159,8 @@ def compile_variant(path, builder, build_args):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("mode", choices=["compile", "run"])
-    ap.add_argument("rest", nargs="+", help="compile: VARIANT BUILDER ARGS...; run: KERNEL VARIANT BUILDER ARGS...")
+    ap.add_argument("rest", nargs="+", help="compile: VARIANT BUILDER ARGS...; run: KERNEL VARIANT BUILDER ARGS... "
+                    "(run: VARIANT may list several files, comma-separated, all timed on one recorded launch)")
     ap.add_argument("--cache", default=None, help="the variant's TileLang cache directory")
     ap.add_argument("--configs", default="16:32:4096x8,2:8:32768x1")
     ap.add_argument("--intra-cp", default="off")
@@ -172,9 +177,9 @@ def main():
     build_args = parse_build_args(raw)
     from bench_gdn import make_inputs
 
-    variant = compile_variant(path, builder, build_args)
+    variants = {os.path.basename(p): compile_variant(p, builder, build_args) for p in path.split(",")}
     intra_cp = opts.intra_cp if opts.intra_cp in ("off", "auto") else int(opts.intra_cp)
-    ab(kernel, build_args, variant, [parse_config(c) for c in opts.configs.split(",")], make_inputs, intra_cp,
+    ab(kernel, build_args, variants, [parse_config(c) for c in opts.configs.split(",")], make_inputs, intra_cp,
        opts.reps)
 
 

@@ -2,13 +2,15 @@
 
     .venv/bin/python scripts/kernel_resources.py wy_inverse build_wy_inverse bfloat16
     .venv/bin/python scripts/kernel_resources.py path/to/variant.py build_wy_inverse bfloat16
+    .venv/bin/python scripts/kernel_resources.py --source out.cu chunk_bwd_local build_chunk_bwd_local bfloat16
 
 The first argument is a module of flashqla.kernels.hopper or a file holding a variant of one; the rest is
 the builder and its arguments (integers where they look like integers). Prints the registers per thread
 (read from the cubin TileLang wrote), the dynamic shared memory and where each shared buffer starts
 (TileLang's planner lays buffers with disjoint lifetimes over each other), ptxas's spill stores and loads,
 and how many CTAs of it fit on one H200 SM by registers and by shared memory: the occupancy Nsight Compute
-would report, before any device time is spent (docs/kernels.md, "Occupancy").
+would report, before any device time is spent (docs/kernels.md, "Occupancy"). `--source FILE` also writes
+the CUDA source TileLang generated, to read what a step lowered to.
 """
 from __future__ import annotations
 
@@ -87,9 +89,13 @@ def ptxas_report(compile_kernel):
 
 
 def main():
-    if len(sys.argv) < 3:
+    argv = sys.argv[1:]
+    source_path = None
+    if argv[:1] == ["--source"]:
+        source_path, argv = argv[1], argv[2:]
+    if len(argv) < 2:
         sys.exit(__doc__)
-    target, builder, *raw = sys.argv[1:]
+    target, builder, *raw = argv
     args = parse_build_args(raw)
     with tempfile.TemporaryDirectory() as cache:
         os.environ["TILELANG_CACHE_DIR"] = cache  # a fresh cache: the cubin found below is this kernel's
@@ -101,6 +107,9 @@ def main():
         configs = {**launch._pass_configs(), "tl.device_compile_flags": ["--ptxas-options=--verbose"]}
         kernel, spills = ptxas_report(lambda: tilelang.compile(prim_func, target=launch.TARGET, pass_configs=configs))
         source = kernel.get_kernel_source()
+        if source_path:
+            with open(source_path, "w") as out:
+                out.write(source)
         threads = [int(x) for x in re.findall(r"__launch_bounds__\((\d+)", source)[:1]] or [0]
         host = "".join(open(p).read() for p in glob.glob(f"{cache}/**/host_kernel.cu", recursive=True))
         shared = max([int(x) for x in re.findall(r"\b(\d{3,6})\b", host) if int(x) % 256 == 0] or [0])

@@ -40,7 +40,8 @@ def test_parse_build_args_and_configs():
 
 def test_the_committed_kernel_against_itself_agrees_exactly(emulated):
     same = functools.partial(kernel_emulator.emulate_wy_inverse, with_wu=False)
-    rows = ab_kernel.ab("wy_inverse", ("bfloat16", False), same, CONFIGS, cpu_inputs, log=lambda line: None)
+    rows = ab_kernel.ab("wy_inverse", ("bfloat16", False), {"same": same}, CONFIGS, cpu_inputs, log=lambda line: None)
+    assert [row["variant"] for row in rows] == ["same"] * len(CONFIGS)
     for row in rows:
         # GA (6) and gcum (7) are what the forward build writes
         assert sorted(row["outputs"]) == [6, 7]
@@ -56,11 +57,11 @@ def test_a_wrong_variant_shows_in_values_and_unwritten_rows(emulated):
         kernel_emulator.emulate_wy_inverse(*args, with_wu=False)
         args[7][:, -5:] = float("nan")  # gcum's last tokens unwritten, as a kernel that skipped them
 
-    wrong = ab_kernel.ab("wy_inverse", ("bfloat16", False), off_by_a_percent, CONFIGS[:1], cpu_inputs,
-                         log=lambda line: None)[0]["outputs"]
+    # both variants on one recorded launch, each on its own NaN-filled copy of the arguments
+    wrong, unwritten = (row["outputs"] for row in ab_kernel.ab(
+        "wy_inverse", ("bfloat16", False), {"wrong": off_by_a_percent, "unwritten": leaves_the_last_rows},
+        CONFIGS[:1], cpu_inputs, log=lambda line: None))
     assert 5e-3 < wrong[6][0] < 2e-2 and wrong[6][1] == 0 and wrong[7] == (0.0, 0)
-    unwritten = ab_kernel.ab("wy_inverse", ("bfloat16", False), leaves_the_last_rows, CONFIGS[:1], cpu_inputs,
-                             log=lambda line: None)[0]["outputs"]
     assert unwritten[7][1] == 4 * 5 and unwritten[6] == (0.0, 0)
 
 
