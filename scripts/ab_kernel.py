@@ -130,9 +130,10 @@ def ab(kernel, build_args, variants, configs, make_inputs, intra_cp="off", reps=
     for Hqk, Hv, lengths in configs:
         inputs = make_inputs(Hqk, Hv, lengths)
         committed, args = record_launch(kernel, build_args, lambda: public_op_step(inputs, intra_cp))
+        recorded = _clone(args)  # as the launch found them: the timed runs below write into `args`
         committed_us = graph_time_us(lambda: committed(*args), reps) if torch.cuda.is_available() else None
         for name, variant in variants.items():
-            comparison = compare(committed, variant, args)
+            comparison = compare(committed, variant, recorded)
             row = {"config": f"({Hqk}, {Hv}) {lengths[0]} x {len(lengths)}", "variant": name,
                    "outputs": comparison.outputs}
             if committed_us is not None:

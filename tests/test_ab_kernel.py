@@ -69,3 +69,16 @@ def test_a_launch_the_call_never_makes_is_an_error(emulated):
     with pytest.raises(RuntimeError, match="no launch"):
         ab_kernel.record_launch("wy_inverse", ("bfloat16", True), lambda: ab_kernel.public_op_step(
             cpu_inputs(2, 4, [64]), "off"))
+
+
+def test_timed_runs_do_not_hide_the_outputs_from_the_comparison(emulated, monkeypatch):
+    # on a GPU every kernel is timed on the recorded arguments themselves; the comparison must still see
+    # what the committed kernel writes (a timer that runs each kernel once stands in for CUDA graphs)
+    monkeypatch.setattr(ab_kernel.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(ab_kernel, "graph_time_us", lambda fn, reps=20: (fn(), 1.0)[1])
+    same = functools.partial(kernel_emulator.emulate_wy_inverse, with_wu=False)
+    rows = ab_kernel.ab("wy_inverse", ("bfloat16", False), {"first": same, "second": same}, CONFIGS[:1], cpu_inputs,
+                        log=lambda line: None)
+    for row in rows:
+        assert sorted(row["outputs"]) == [6, 7], row
+        assert row["committed_us"] == row["variant_us"] == 1.0
