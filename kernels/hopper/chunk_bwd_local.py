@@ -143,7 +143,7 @@ def build_chunk_bwd_local(dtype: str):
             gam_sh = T.alloc_shared((C,), "float32")  # gamma of each row
             tail_sh = T.alloc_shared((C,), "float32")  # gamma_last / gamma of each row
             F_sh = T.alloc_shared((C,), "float32")
-            dg_sh = T.alloc_shared((C,), "float32")
+            dg_sh = T.alloc_shared((2 * C,), "float32")  # dgc by row, then the shares every row's dg gets
             # shares of dgc by row: rowsum E_P, (gamma Q S) o dOs, the V_new o dV_new difference, K o dVd S^T,
             # gamma_last <S, dS> (the last row's), dX o diag(beta) Vd; of dbeta: dX o Vd, dL o K K^T
             dgc_part = T.alloc_shared((6, C), "float32")
@@ -180,7 +180,6 @@ def build_chunk_bwd_local(dtype: str):
             do_free = T.alloc_barrier(arrive_count=WG)  # the values warpgroup has read dO
             g_ready = T.alloc_barrier(arrive_count=WG)  # G in G_s
             dvd_ready = T.alloc_barrier(arrive_count=WG)  # dVd in dVn_s
-            Fsum = T.alloc_var("float32")
 
             seq, t0, n_rows = chunk_of_slot(cu_seqlens, chunk_offsets, num_seqs, chunk, search_steps)
             last = T.max(n_rows - 1, 0)
@@ -404,17 +403,17 @@ def build_chunk_bwd_local(dtype: str):
                     store_rows(dO_s, dk, t0, hv, n_rows)
 
                 T.sync_threads()
-                Fsum = 0.0
-                for r in T.serial(C):
-                    Fsum = Fsum + F_sh[r] + dgc_part[4, r]
-                # dg = reverse cumsum of dgc over the rows that exist; the last row's sum(F) reaches all
+                # dg = reverse cumsum of dgc over the rows that exist, plus the last row's sum(F) and gamma_last
+                # <S, dS>, which reach every row: one reverse scan over [dgc, F + those shares], whose first C
+                # entries are exactly that (no serial sum)
                 for r in T.Parallel(C):
                     dg_sh[r] = T.if_then_else(r < n_rows, dgc_part[0, r] + dgc_part[1, r] + dgc_part[2, r]
                                               + dgc_part[3, r] - dgc_part[5, r], 0.0)
+                    dg_sh[C + r] = F_sh[r] + dgc_part[4, r]
                 T.cumsum(src=dg_sh, dst=dg_sh, dim=0, reverse=True)
                 for r in T.Parallel(C):
                     if r < n_rows:
-                        dg[hv, t0 + r] = dg_sh[r] + Fsum
+                        dg[hv, t0 + r] = dg_sh[r]
                         dbeta[t0 + r, hv] = dbeta_part[0, r] + dbeta_part[1, r]
 
     return chunk_bwd_local

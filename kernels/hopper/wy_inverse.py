@@ -213,11 +213,12 @@ def build_wy_inverse(dtype: str, with_wu: bool = True):
             # one 16-byte store, no branch (T.Select evaluates both sides: above the diagonal the discarded
             # one may be 0 x inf) ---------------------------------------------------------------------------
             c0 = (tx % 8) * 8
+            for j in T.vectorized(8):  # the thread's 8 column gates, the same in each of its 4 rows
+                g_cols[j] = g_sh[c0 + j]
             for i in T.unroll(4):
                 r = i * 16 + tx // 8
                 for j in T.vectorized(8):
                     X_row[j] = X_sh[r, c0 + j]
-                    g_cols[j] = g_sh[c0 + j]
                 for j in T.unroll(8):
                     GA_row[j] = T.cast(T.Select(r >= c0 + j, X_row[j] * T.exp2((g_sh[r] - g_cols[j]) * LOG2E), 0.0),
                                        dtype)
