@@ -50,9 +50,13 @@ this one there. Without any output work the chain warpgroups alone take 770 us a
 the output warpgroup (2M of the 4.5M MACs per chunk, the mask, the store) sets the pace there
 (docs/kernels.md, "Sixteenth session").
 
-O leaves through O_sh and 16-byte row stores; at block_v < 128 two producer warps store it (the output
-warpgroup only writes O_sh), which measured 183 -> 155 us at block_v 64 and 930 -> 900 at 32 but 1032 ->
-1431 at 128, where the output warpgroup stores it itself.
+O leaves through O_sh. At block_v 128 the output warpgroup hands a full chunk's O_sh to one TMA store and
+waits for it to have read O_sh only half a chunk later, before it writes O_sh again (a sequence's partial
+last chunk leaves by 16-byte row stores of its rows alone: TMA would write the next sequence's rows);
+against the row stores it had before, H200, 2026-12-02, kernel alone: 994 -> 813 us at (16, 64) x 8K x 4,
+507 -> 416 at (16, 32) x 4K x 8, O bitwise equal. At block_v < 128 two producer warps store it by rows
+(the output warpgroup only writes O_sh), which measured 183 -> 155 us at block_v 64 and 930 -> 900 at 32;
+removing that store altogether gains nothing there.
 
 Gates: the loader stores the chunk's gates in base 2 (gcum x log2 e) and beta, rows past the sequence end
 repeating its last token, so no exp2 argument is positive and gamma_last is row C - 1. Rows past the end of a
@@ -261,6 +265,8 @@ def build_fused_fwd(dtype: str, block_v: int):
                             O0[r, j] = O0[r, j] * gam_o[r]
                         for r, j in T.Parallel(C, H):
                             O1[r, j] = O1[r, j] * gam_o[r]
+                        if not store_by_producer:  # the previous chunk's O store (TMA) has read O_sh
+                            T.tma_store_wait(0)
                         T.sync_threads(OUTPUT_BARRIER, WG)  # every thread's P_sh rows before the product
                         T.barrier_wait(vn_ready, c % 2)
                         T.wgmma_gemm(P_sh, Vn_sh0, O0)
@@ -277,8 +283,14 @@ def build_fused_fwd(dtype: str, block_v: int):
                         if store_by_producer:
                             T.barrier_arrive(o_ready)
                         else:
+                            T.fence_proxy_async()
                             T.sync_threads(OUTPUT_BARRIER, WG)
-                            store_rows(o, O_sh, t0, h, v0, n_rows)
+                            if n_rows == C:  # one TMA store, waited for half a chunk later (above)
+                                T.tma_copy(O_sh, o[t0:t0 + C, h, v0:v0 + BV])
+                            else:  # a sequence's partial last chunk: its rows only (TMA would write the next's)
+                                store_rows(o, O_sh, t0, h, v0, n_rows)
+                    if not store_by_producer:
+                        T.tma_store_wait(0)
             else:
                 T.set_max_nreg(PRODUCER_REGS, 0)
                 if tx < 3 * WG + 32:  # loader: chunk c into stage c % 2 once every consumer freed it
