@@ -79,17 +79,32 @@ def _nan_fill(args, outputs):
     return args
 
 
-def compare(committed, variant, args) -> Comparison:
-    """Runs both kernels on their own copies of `args` and compares what the committed one writes."""
+@dataclass
+class Reference:
+    args: list  # the recorded arguments, as the launch found them
+    outputs: list  # indices of the arguments the committed kernel writes
+    written: list  # the committed kernel's run on a copy of `args` with those outputs NaN-filled
+
+
+def reference_of(committed, args) -> Reference:
+    """Runs the committed kernel twice on copies of `args`: once to find what it writes, once on NaN-filled
+    outputs, the run every variant is compared with."""
     probe = _clone(args)
     committed(*probe)
     outputs = [i for i, (a, b) in enumerate(zip(probe, args)) if isinstance(a, torch.Tensor)
                and bool(((a != b) & ~(a.isnan() & b.isnan())).any())]
-    ours, theirs = _nan_fill(_clone(args), outputs), _nan_fill(_clone(args), outputs)
-    committed(*ours)
+    written = _nan_fill(_clone(args), outputs)
+    committed(*written)
+    return Reference(_clone(args), outputs, written)
+
+
+def compare(reference: Reference, variant) -> Comparison:
+    """Runs the variant on its own NaN-filled copy of the reference's arguments and compares what the committed
+    kernel writes."""
+    ours, theirs = reference.written, _nan_fill(_clone(reference.args), reference.outputs)
     variant(*theirs)
     result = {}
-    for i in outputs:
+    for i in reference.outputs:
         a, b = ours[i].double(), theirs[i].double()
         one_nan = int((a.isnan() ^ b.isnan()).sum())
         both = ~(a.isnan() | b.isnan())
@@ -130,10 +145,10 @@ def ab(kernel, build_args, variants, configs, make_inputs, intra_cp="off", reps=
     for Hqk, Hv, lengths in configs:
         inputs = make_inputs(Hqk, Hv, lengths)
         committed, args = record_launch(kernel, build_args, lambda: public_op_step(inputs, intra_cp))
-        recorded = _clone(args)  # as the launch found them: the timed runs below write into `args`
+        reference = reference_of(committed, args)  # before the timed runs below write into `args`
         committed_us = graph_time_us(lambda: committed(*args), reps) if torch.cuda.is_available() else None
         for name, variant in variants.items():
-            comparison = compare(committed, variant, recorded)
+            comparison = compare(reference, variant)
             row = {"config": f"({Hqk}, {Hv}) {lengths[0]} x {len(lengths)}", "variant": name,
                    "outputs": comparison.outputs}
             if committed_us is not None:
