@@ -184,12 +184,6 @@ class TorchKernels:
         return self._forward(x, x.v, scale, h, False)[0]
 
     @staticmethod
-    def side_by_side(device, side, main):
-        from flashqla.kernels.hopper import side_by_side
-
-        return side_by_side(device, side, main)
-
-    @staticmethod
     def fold_segments(out, bias, mats, mask, first_rows, last_rows, reverse):
         from kernel_emulator import emulate_segment_chain
 
@@ -247,7 +241,9 @@ def test_warmup_restarts_at_the_last_chunk_from_which_the_gates_sum_below_the_th
     plan = plan_segments(tuple(random_cu_seqlens(lengths)[:-1].tolist()), lengths, 2)
     g = -3 * torch.rand(sum(lengths), 3, dtype=torch.float64)
     g[:, 0] = 0.0  # never decays: not warm anywhere
-    warm, walk_from = _warmup(g[None], _plan_tensors(plan, sum(lengths), torch.device("cpu")), -40.0)
+    x = TorchKernels.prepare(None, None, torch.zeros(1, sum(lengths), 3, 1), g[None], None,
+                             torch.tensor(plan.starts + (sum(lengths),)))
+    warm, walk_from = _warmup(x.gcum, _plan_tensors(plan, sum(lengths), torch.device("cpu")), -40.0)
     for row, (start, length) in enumerate(zip(plan.starts, plan.lengths)):
         chunk_sums = [g[t:min(t + 64, start + length)].sum(0) for t in range(start, start + length, 64)]
         for head in range(3):

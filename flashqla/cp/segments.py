@@ -57,12 +57,10 @@ class _PlanTensors:
     first_index: torch.Tensor  # the same as int64, for index_fill_ / index_copy_
     last: torch.Tensor  # [sequences] its last row (int32)
     last_index: torch.Tensor  # the same as int64, for index_fill_ / index_copy_
-    # [rows, longest row's chunks]: the first token of every row's chunks from its last chunk back (the
-    # row's end past its chunks), and which entries are chunks; [rows]: the token after each row, chunks
-    # per row
-    back_first_token: torch.Tensor
+    # [rows, longest row's chunks]: the last token of every row's chunks from its last chunk back (any
+    # token past a row's chunks), and which entries are chunks; [rows]: chunks per row
+    back_last_token: torch.Tensor
     back_is_chunk: torch.Tensor
-    row_end: torch.Tensor
     chunks_per_row: torch.Tensor
     # (has_h0, dht_given) -> ([rows, 1] bool, [rows, 1] bool): the rows whose M a chain reads when the next
     # segment is on the exact path, and those that read it whatever the warmup (`_M_rows`)
@@ -77,7 +75,8 @@ class _PlanTensors:
 def _plan_tensors(plan: SegmentPlan, num_tokens: int, device: torch.device) -> _PlanTensors:
     as_tensor = lambda xs, dtype=torch.long: torch.tensor(xs, dtype=dtype, device=device)  # noqa: E731
     chunks = [-(-length // CHUNK) for length in plan.lengths]
-    ends = [start + length for start, length in zip(plan.starts, plan.lengths)]
+    chunk_last = [start + min((c + 1) * CHUNK, length) - 1
+                  for start, length, count in zip(plan.starts, plan.lengths, chunks) for c in range(count)]
     has_prev = [p > 0 for p in plan.position]
     has_next = has_prev[1:] + [False]
     cu = as_tensor(plan.starts + (plan.starts[-1] + plan.lengths[-1],), torch.int32)
@@ -85,14 +84,13 @@ def _plan_tensors(plan: SegmentPlan, num_tokens: int, device: torch.device) -> _
     offsets = list(itertools.accumulate(chunks, initial=0))
     chunk_offsets = as_tensor(offsets, torch.int32)
     longest = max(chunks)
-    back = [[start + (count - 1 - p) * CHUNK if p < count else end for p in range(longest)]
-            for start, end, count in zip(plan.starts, ends, chunks)]
+    back = [[chunk_last[offset + count - 1 - p] if p < count else 0 for p in range(longest)]
+            for offset, count in zip(offsets, chunks)]
     back_is_chunk = as_tensor([[p < count for p in range(longest)] for count in chunks], torch.bool)
     return _PlanTensors(cu, chunk_offsets, as_tensor(has_prev, torch.bool), as_tensor(has_next, torch.bool),
                         as_tensor(plan.first_rows, torch.int32), as_tensor(plan.first_rows),
                         as_tensor(plan.last_rows, torch.int32), as_tensor(plan.last_rows), as_tensor(back),
-                        back_is_chunk, as_tensor(ends), as_tensor(chunks), _M_rows(has_prev, has_next, device),
-                        num_tokens,
+                        back_is_chunk, as_tensor(chunks), _M_rows(has_prev, has_next, device), num_tokens,
                         plan.first_rows[0], plan.last_rows[-1], has_prev[plan.last_rows[-1]])
 
 
@@ -113,28 +111,22 @@ def _M_rows(has_prev: list, has_next: list, device) -> dict:
     return rows
 
 
-def _warmup(g: torch.Tensor, idx: _PlanTensors, cp_warmup: float):
+def _warmup(gcum: torch.Tensor, idx: _PlanTensors, cp_warmup: float):
     """(warm [rows, Hv] bool, walk_from [rows, Hv] int64): whether the state leaving each segment can
     restart from zero inside it (design doc §4: the gates of its last chunks sum below `cp_warmup`), and
     1 + the chunk its walk then starts at, the last chunk c (counted within the segment) whose gates summed
     over chunks c .. end are below `cp_warmup`, as the torch backend restarts (1 where not warm: the whole
-    segment).
-
-    From the gates g [1, T, Hv] themselves, not from `wy_inverse`'s chunk-local cumsum, so that this runs
-    beside that kernel (`forward_summaries`): with P the float64 prefix sum of g (P[t] = g summed over
-    tokens < t), the gates of chunks c .. end of a row sum to P[row end] - P[first token of c]."""
-    g = g.reshape(idx.num_tokens, -1)
-    P = torch.zeros(idx.num_tokens + 1, g.shape[1], dtype=torch.float64, device=g.device)
-    torch.cumsum(g, 0, dtype=torch.float64, out=P[1:])
-    back_sums = P[idx.row_end][:, None] - P[idx.back_first_token]  # [rows, p, Hv]: chunks end - p .. end
+    segment). The chunk sums are `gcum` [Hv, T] at every chunk's last token, gathered from each segment's
+    end back and summed along it: seven small launches, no scatter, no scan across the stream."""
+    back_sums = gcum[:, idx.back_last_token].cumsum(-1)  # [Hv, rows, p]: chunks end - p .. end
     # the first p back from the end that is below (max of a bool row: any, and the first index of it)
-    warm, first_below = torch.max((back_sums < cp_warmup) & idx.back_is_chunk[..., None], dim=1)
-    walk_from = torch.where(warm, idx.chunks_per_row[:, None] - first_below, 1)
-    return warm, walk_from
+    warm, first_below = torch.max((back_sums < cp_warmup) & idx.back_is_chunk, dim=-1)
+    walk_from = torch.where(warm, idx.chunks_per_row - first_below, 1)
+    return warm.t(), walk_from.t()
 
 
 def _into_next(idx: _PlanTensors, exact, into_final: bool):
-    """[rows, Hv] 0/1 in exact's dtype: whether the state leaving segment j reaches what follows it, exact_{j+1} into the
+    """[rows, Hv] bool: whether the state leaving segment j reaches what follows it, exact_{j+1} into the
     sequence's next segment, `into_final` out of its last one (the f_j of `exit_gradients`)."""
     exact_next = torch.full_like(exact, into_final)
     exact_next[:-1] = torch.where(idx.has_next[:-1, None], exact[1:], into_final)
@@ -165,27 +157,19 @@ def _summaries_needed(idx: _PlanTensors, warm, walk_from, num_v_heads: int, has_
     return active
 
 
-def _segment_gates(idx: _PlanTensors, g, num_v_heads: int, cp_warmup, has_h0: bool, dht_given=None,
-                   leaving=False):
-    """(exact [rows, Hv] fp32 0/1, active [2, rows, Hv] int32): which segments start from the exact chain
-    and which summary walks run from which chunk (`_summaries_needed`); from the gates alone, so it can run
-    beside the WY inverse. has_h0: an initial state will be given."""
-    rows = idx.has_prev.numel()
+def _segment_summaries(hopper, x, idx: _PlanTensors, cp_warmup, has_h0: bool, dht_given=None, leaving=False):
+    """(S*_j, M_j, exact mask [rows, Hv]) of every segment from zero: step 1 above (no initial state
+    needed, only whether one will come), fp32."""
+    rows, Hv = idx.has_prev.numel(), x.num_v_heads
     warm = walk_from = None
     if cp_warmup is None:
-        exact = idx.has_prev[:, None].expand(rows, num_v_heads).float()
+        exact = idx.has_prev[:, None].expand(rows, Hv)
     else:
-        warm, walk_from = _warmup(g, idx, cp_warmup)
+        warm, walk_from = _warmup(x.gcum, idx, cp_warmup)
         # row j starts from the exact chain where row j - 1 does not warm up (a > b: a and not b)
-        exact = torch.zeros(rows, num_v_heads, dtype=torch.float32, device=warm.device)
-        exact[1:] = torch.gt(idx.has_prev[1:, None], warm[:-1])
-    return exact, _summaries_needed(idx, warm, walk_from, num_v_heads, has_h0, dht_given, leaving)
-
-
-def _segment_summaries(hopper, x, gates):
-    """(S*_j, M_j, exact mask [rows, Hv]) of every segment from zero: step 1 above, fp32, for the walks
-    `gates` (`_segment_gates`) asks for."""
-    exact, active = gates
+        exact = torch.zeros(rows, Hv, dtype=torch.bool, device=warm.device)
+        torch.gt(idx.has_prev[1:, None], warm[:-1], out=exact[1:])
+    active = _summaries_needed(idx, warm, walk_from, Hv, has_h0, dht_given, leaving)
     S_star, M = hopper.summaries(x, with_transition=True, active=active)
     return S_star, M, exact
 
@@ -198,7 +182,7 @@ def _chain(hopper, S_star, M, exact, idx: _PlanTensors, initial_state):
         S0.index_fill_(0, idx.first_index, 0.0)
     else:
         S0.index_copy_(0, idx.first_index, initial_state.to(S0.dtype))
-    return hopper.fold_segments(S0, S_star, M, exact, idx.first, idx.last, reverse=False)
+    return hopper.fold_segments(S0, S_star, M, exact.float(), idx.first, idx.last, reverse=False)
 
 
 def _packed(idx, *tensors):
@@ -234,14 +218,8 @@ def forward_summaries(hopper, q, k, v, g, beta, plan: SegmentPlan, cp_warmup, ha
     # segments start on chunk boundaries of their sequence, so they chunk exactly like the sequences
     packed = _packed(idx, q, k, v, g, beta)
     # a fused last walk reads no W and U: the summary launch then computes them where its walks read them
-    def inverse():
-        return hopper.prepare(*packed, idx.cu, chunk_offsets=idx.chunk_offsets, walk_operands=not fused)
-
-    def gates():  # a dozen small launches from the gates alone: on a second stream, beside the inverse
-        return _segment_gates(idx, packed[3], v.shape[2], cp_warmup, has_h0, dht_given, leaving)
-
-    gates, x = hopper.side_by_side(q.device, gates, inverse)
-    summaries = _segment_summaries(hopper, x, gates)
+    x = hopper.prepare(*packed, idx.cu, chunk_offsets=idx.chunk_offsets, walk_operands=not fused)
+    summaries = _segment_summaries(hopper, x, idx, cp_warmup, has_h0, dht_given, leaving)
     return ForwardSummaries(idx, packed, x, *summaries, v.shape, fused, keep_inverse)
 
 
@@ -345,8 +323,7 @@ def backward_prologue(hopper, q, k, v, g, beta, scale, initial_state, plan: Segm
                                      chunk_offsets=idx.chunk_offsets)
     starts = kept.starts
     if starts is None:  # not kept by the forward: recomputed, as the forward computed them
-        gates = _segment_gates(idx, packed[3], v.shape[2], cp_warmup, initial_state is not None, dht_given)
-        S_star, M, exact = _segment_summaries(hopper, x, gates)
+        S_star, M, exact = _segment_summaries(hopper, x, idx, cp_warmup, initial_state is not None, dht_given)
         starts = (_chain(hopper, S_star, M, exact, idx, initial_state), M, exact)
     do = hopper.output_gradient(x, do)
     _, D = hopper.state_gradients(x, do, scale, None, store_dh=False)  # dS0 alone: no per-chunk dS stored

@@ -36,9 +36,7 @@ def side_by_side(device: torch.device, side, main):
     """(side(), main()): `side` on a second stream of CUDA device `device` while `main` runs on its current
     stream, joined before returning (CUDA-graph capturable: a fork and a join). The tensors `side` returns
     are marked as used on the current stream, so the allocator does not hand their memory back to the
-    side stream while the current one still reads them. On another device, one after the other."""
-    if device.type != "cuda":
-        return side(), main()
+    side stream while the current one still reads them."""
     current = torch.cuda.current_stream(device)
     stream = _side_stream(current.device.index)
     stream.wait_stream(current)
