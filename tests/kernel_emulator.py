@@ -238,6 +238,30 @@ def emulate_segment_chain(out, bias, mats, mask, first_rows, last_rows, num_head
                                           + mask[r * num_heads + h].double() * step).to(out.dtype)
 
 
+def emulate_segment_gates(gcum, cu, flags, exact, active, threshold):
+    """Per (row, head): the chunk sums from the row's last chunk back, added in fp32 in that order, until one
+    is below the threshold (segment_gates.py)."""
+    from flashqla.kernels.hopper.launch import ALWAYS_M, FORCE_M, FORCE_S, HAS_NEXT, INTO_EXACT
+
+    bounds, row_flags = cu.tolist(), flags.tolist()
+    exact[0] = 0.0
+    for j, (start, end, f) in enumerate(zip(bounds[:-1], bounds[1:], row_flags)):
+        ends = list(range(start + 64, end, 64)) + [end]  # the token after every chunk
+        for h in range(gcum.shape[0]):
+            total = torch.zeros((), dtype=torch.float32)
+            warm, walk_from = False, 1
+            for c in range(len(ends) - 1, -1, -1):
+                total = total + gcum[h, ends[c] - 1].float()
+                if total < threshold:
+                    warm, walk_from = True, c + 1
+                    break
+            has_next = bool(f & HAS_NEXT)
+            active[0, j, h] = 1 if f & FORCE_S else has_next * walk_from
+            active[1, j, h] = int(bool(f & (FORCE_M | ALWAYS_M)) or (bool(f & INTO_EXACT) and not warm))
+            if j + 1 < len(row_flags):
+                exact[j + 1, h] = float(has_next and not warm)
+
+
 def install(monkeypatch):
     """Replace every compiled kernel (and the SM count query) of flashqla.kernels.hopper by the emulators."""
     from flashqla.kernels.hopper import backward, launch
@@ -253,6 +277,7 @@ def install(monkeypatch):
         "compiled_chunk_bwd_local": lambda dtype: emulate_chunk_bwd_local,
         "compiled_gqa_sum": lambda dtype: emulate_gqa_sum,
         "compiled_segment_chain": lambda block_v: emulate_segment_chain,
+        "compiled_segment_gates": lambda: emulate_segment_gates,
     }
     for module in (launch, backward):
         for name, fake in kernels.items():

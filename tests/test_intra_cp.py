@@ -184,6 +184,15 @@ class TorchKernels:
         return self._forward(x, x.v, scale, h, False)[0]
 
     @staticmethod
+    def segment_masks(gcum, cu, flags, threshold):
+        from kernel_emulator import emulate_segment_gates
+
+        exact = torch.empty(flags.numel(), gcum.shape[0], dtype=torch.float32)
+        active = torch.empty(2, flags.numel(), gcum.shape[0], dtype=torch.int32)
+        emulate_segment_gates(gcum, cu, flags, exact, active, threshold)
+        return exact, active
+
+    @staticmethod
     def fold_segments(out, bias, mats, mask, first_rows, last_rows, reverse):
         from kernel_emulator import emulate_segment_chain
 
@@ -235,21 +244,26 @@ def test_summary_walks_run_only_where_the_chain_reads_them():
 
 
 def test_warmup_restarts_at_the_last_chunk_from_which_the_gates_sum_below_the_threshold():
-    from flashqla.cp.segments import _plan_tensors, _warmup
+    """The gate statistics (segment_gates.py, emulated): with every row flagged HAS_NEXT | INTO_EXACT,
+    active[0] is the row's walk_from and active[1] whether it is not warm, the exact mask of the next row."""
+    from flashqla.kernels.hopper.launch import HAS_NEXT, INTO_EXACT
 
     lengths = (300, 1, 200, 64, 129)
     plan = plan_segments(tuple(random_cu_seqlens(lengths)[:-1].tolist()), lengths, 2)
     g = -3 * torch.rand(sum(lengths), 3, dtype=torch.float64)
     g[:, 0] = 0.0  # never decays: not warm anywhere
-    x = TorchKernels.prepare(None, None, torch.zeros(1, sum(lengths), 3, 1), g[None], None,
-                             torch.tensor(plan.starts + (sum(lengths),)))
-    warm, walk_from = _warmup(x.gcum, _plan_tensors(plan, sum(lengths), torch.device("cpu")), -40.0)
+    cu = torch.tensor(plan.starts + (sum(lengths),), dtype=torch.int32)
+    x = TorchKernels.prepare(None, None, torch.zeros(1, sum(lengths), 3, 1), g[None], None, cu)
+    flags = torch.full((len(plan.starts),), HAS_NEXT | INTO_EXACT, dtype=torch.int32)
+    exact, active = TorchKernels.segment_masks(x.gcum.float(), cu, flags, -40.0)
+    walk_from, warm = active[0], active[1] == 0
     for row, (start, length) in enumerate(zip(plan.starts, plan.lengths)):
         chunk_sums = [g[t:min(t + 64, start + length)].sum(0) for t in range(start, start + length, 64)]
         for head in range(3):
             below = [c for c in range(len(chunk_sums)) if sum(s[head] for s in chunk_sums[c:]) < -40.0]
             assert bool(warm[row, head]) == bool(below), (row, head)
             assert walk_from[row, head] == (below[-1] + 1 if below else 1), (row, head)
+            assert exact[row + 1, head] == (not below) if row + 1 < len(plan.starts) else exact[0, head] == 0
     assert not warm[:, 0].any() and (walk_from[:, 1:] > 1).any()
 
 

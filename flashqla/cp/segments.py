@@ -26,10 +26,12 @@ from __future__ import annotations
 
 import functools
 import itertools
+import math
 from dataclasses import dataclass
 
 import torch
 
+from ..kernels.hopper.launch import ALWAYS_M, FORCE_M, FORCE_S, HAS_NEXT, INTO_EXACT
 from ..ops.layout import CHUNK
 from .plan import SegmentPlan
 
@@ -51,125 +53,91 @@ class _PlanTensors:
 
     cu: torch.Tensor  # segment offsets, int32 [rows + 1]
     chunk_offsets: torch.Tensor  # first chunk slot of every segment, int32 [rows + 1]
-    has_prev: torch.Tensor  # [rows] bool
-    has_next: torch.Tensor  # [rows] bool
+    has_next: torch.Tensor  # [rows] bool: the row's sequence continues in the next row
     first: torch.Tensor  # [sequences] first row of every sequence (int32)
     first_index: torch.Tensor  # the same as int64, for index_fill_ / index_copy_
     last: torch.Tensor  # [sequences] its last row (int32)
     last_index: torch.Tensor  # the same as int64, for index_fill_ / index_copy_
-    # [rows, longest row's chunks]: the last token of every row's chunks from its last chunk back (any
-    # token past a row's chunks), and which entries are chunks; [rows]: chunks per row
-    back_last_token: torch.Tensor
-    back_is_chunk: torch.Tensor
-    chunks_per_row: torch.Tensor
-    # (has_h0, dht_given) -> ([rows, 1] bool, [rows, 1] bool): the rows whose M a chain reads when the next
-    # segment is on the exact path, and those that read it whatever the warmup (`_M_rows`)
-    M_rows: dict
+    # [has_h0, dht_given (None, False, True), leaving, rows] int32: each row's flags for the gate statistics
+    # (`_gate_flags`, kernels/hopper/segment_gates.py); `gate_flags` picks one row of flags
+    gate_flag_table: torch.Tensor
     num_tokens: int
     first_row: int  # on the host (indexing with a device scalar would sync): the first sequence's first row
     last_row: int  # the last sequence's last row
-    last_row_has_prev: bool  # whether that row is not its sequence's first segment
+
+    def gate_flags(self, has_h0: bool, dht_given: bool | None, leaving: bool) -> torch.Tensor:
+        """[rows] int32, a view of the table: no launch, no host-to-device copy (CUDA-graph capturable)."""
+        return self.gate_flag_table[int(has_h0), (None, False, True).index(dht_given), int(leaving)]
 
 
 @functools.lru_cache(maxsize=64)
 def _plan_tensors(plan: SegmentPlan, num_tokens: int, device: torch.device) -> _PlanTensors:
     as_tensor = lambda xs, dtype=torch.long: torch.tensor(xs, dtype=dtype, device=device)  # noqa: E731
     chunks = [-(-length // CHUNK) for length in plan.lengths]
-    chunk_last = [start + min((c + 1) * CHUNK, length) - 1
-                  for start, length, count in zip(plan.starts, plan.lengths, chunks) for c in range(count)]
     has_prev = [p > 0 for p in plan.position]
     has_next = has_prev[1:] + [False]
     cu = as_tensor(plan.starts + (plan.starts[-1] + plan.lengths[-1],), torch.int32)
     # what launch.chunk_offsets_of(cu) computes on the device, once per plan
-    offsets = list(itertools.accumulate(chunks, initial=0))
-    chunk_offsets = as_tensor(offsets, torch.int32)
-    longest = max(chunks)
-    back = [[chunk_last[offset + count - 1 - p] if p < count else 0 for p in range(longest)]
-            for offset, count in zip(offsets, chunks)]
-    back_is_chunk = as_tensor([[p < count for p in range(longest)] for count in chunks], torch.bool)
-    return _PlanTensors(cu, chunk_offsets, as_tensor(has_prev, torch.bool), as_tensor(has_next, torch.bool),
-                        as_tensor(plan.first_rows, torch.int32), as_tensor(plan.first_rows),
-                        as_tensor(plan.last_rows, torch.int32), as_tensor(plan.last_rows), as_tensor(back),
-                        back_is_chunk, as_tensor(chunks), _M_rows(has_prev, has_next, device), num_tokens,
-                        plan.first_rows[0], plan.last_rows[-1], has_prev[plan.last_rows[-1]])
+    chunk_offsets = as_tensor(list(itertools.accumulate(chunks, initial=0)), torch.int32)
+    last_row = plan.last_rows[-1]
+    return _PlanTensors(cu, chunk_offsets, as_tensor(has_next, torch.bool), as_tensor(plan.first_rows, torch.int32),
+                        as_tensor(plan.first_rows), as_tensor(plan.last_rows, torch.int32), as_tensor(plan.last_rows),
+                        as_tensor(_gate_flags(has_prev, has_next, last_row), torch.int32), num_tokens,
+                        plan.first_rows[0], last_row)
 
 
-def _M_rows(has_prev: list, has_next: list, device) -> dict:
-    """_PlanTensors.M_rows, built on the host once per plan. The forward chain reads M_j where it
-    multiplies a maybe nonzero S_{j,0} (j not a sequence's first segment, unless there is an initial state)
-    into segment j + 1 on the exact path; the backward's mirror scan (dht_given not None) where it
-    multiplies M_j^T by X_j, the gradient into segment j + 1 on the exact path or, out of a sequence's last
-    segment, a given final-state gradient."""
-    column = lambda xs: torch.tensor(xs, dtype=torch.bool, device=device)[:, None]  # noqa: E731
-    rows = {}
+def _gate_flags(has_prev: list, has_next: list, last_row: int) -> list:
+    """_PlanTensors.gate_flag_table, built on the host once per plan: every row's bits of segment_gates.py.
+
+    HAS_NEXT: the row's sequence continues in the next row. The forward chain reads M_j where it multiplies
+    a maybe nonzero S_{j,0} (j not a sequence's first segment, unless there is an initial state) into
+    segment j + 1 on the exact path (INTO_EXACT); the backward's mirror scan (dht_given not None) also where
+    it multiplies M_j^T by X_j, the gradient into segment j + 1 on the exact path (INTO_EXACT) or, out of a
+    sequence's last segment, a given final-state gradient (ALWAYS_M). leaving: S* and M of the last row for
+    the state it passes on (`leaving_state`; M where that row's start can be nonzero)."""
+    table = []
     for has_h0 in (False, True):
         forward = [n and (p or has_h0) for p, n in zip(has_prev, has_next)]
-        rows[has_h0, None] = (column(forward), column([False] * len(has_prev)))
-        for dht_given in (False, True):
-            rows[has_h0, dht_given] = (column([f or (p and n) for f, p, n in zip(forward, has_prev, has_next)]),
-                                       column([p and not n and dht_given for p, n in zip(has_prev, has_next)]))
-    return rows
-
-
-def _warmup(gcum: torch.Tensor, idx: _PlanTensors, cp_warmup: float):
-    """(warm [rows, Hv] bool, walk_from [rows, Hv] int64): whether the state leaving each segment can
-    restart from zero inside it (design doc §4: the gates of its last chunks sum below `cp_warmup`), and
-    1 + the chunk its walk then starts at, the last chunk c (counted within the segment) whose gates summed
-    over chunks c .. end are below `cp_warmup`, as the torch backend restarts (1 where not warm: the whole
-    segment). The chunk sums are `gcum` [Hv, T] at every chunk's last token, gathered from each segment's
-    end back and summed along it: seven small launches, no scatter, no scan across the stream."""
-    back_sums = gcum[:, idx.back_last_token].cumsum(-1)  # [Hv, rows, p]: chunks end - p .. end
-    # the first p back from the end that is below (max of a bool row: any, and the first index of it)
-    warm, first_below = torch.max((back_sums < cp_warmup) & idx.back_is_chunk, dim=-1)
-    walk_from = torch.where(warm, idx.chunks_per_row - first_below, 1)
-    return warm.t(), walk_from.t()
+        by_dht = []
+        for dht_given in (None, False, True):
+            into = (forward if dht_given is None
+                    else [f or (p and n) for f, p, n in zip(forward, has_prev, has_next)])
+            always = [dht_given is True and p and not n for p, n in zip(has_prev, has_next)]
+            flags = [HAS_NEXT * n + INTO_EXACT * i + ALWAYS_M * a for n, i, a in zip(has_next, into, always)]
+            leaving = list(flags)
+            leaving[last_row] |= FORCE_S | (FORCE_M if has_prev[last_row] or has_h0 else 0)
+            by_dht.append([flags, leaving])
+        table.append(by_dht)
+    return table
 
 
 def _into_next(idx: _PlanTensors, exact, into_final: bool):
-    """[rows, Hv] bool: whether the state leaving segment j reaches what follows it, exact_{j+1} into the
-    sequence's next segment, `into_final` out of its last one (the f_j of `exit_gradients`)."""
+    """[rows, Hv] 0/1 in exact's dtype: whether the state leaving segment j reaches what follows it,
+    exact_{j+1} into the sequence's next segment, `into_final` out of its last one (the f_j of
+    `exit_gradients`)."""
     exact_next = torch.full_like(exact, into_final)
     exact_next[:-1] = torch.where(idx.has_next[:-1, None], exact[1:], into_final)
     return exact_next
 
 
-def _summaries_needed(idx: _PlanTensors, warm, walk_from, num_v_heads: int, has_h0: bool, dht_given: bool | None,
-                      leaving: bool = False):
-    """active [2, rows, Hv] int32 for hopper.summaries: S*_j where segment j + 1 starts from it (from
-    chunk walk_from - 1 on where it warms up); M_j where the forward chain multiplies it by a state that
-    can be nonzero (segment j + 1 on the exact path, j not a sequence's first segment unless there is an
-    initial state), and, for the backward (dht_given not None), where the mirror scan multiplies M_j^T by
-    a gradient (`exit_gradients`: f_j = exact_{j+1}, or 1 into a given final-state gradient). warm,
-    walk_from: `_warmup`, or None without a threshold (exact everywhere). leaving: also S* and M of the
-    last segment of the last sequence, for the state it passes on (`leaving_state`)."""
-    into_exact_next, always = idx.M_rows[has_h0, dht_given]
-    active = torch.empty(2, idx.has_next.numel(), num_v_heads, dtype=torch.int32, device=idx.has_next.device)
-    if warm is None:
-        active[0] = idx.has_next[:, None]
-        active[1] = into_exact_next | always
-    else:
-        active[0] = walk_from * idx.has_next[:, None]
-        torch.bitwise_or(torch.gt(into_exact_next, warm), always, out=active[1])  # a > b: a and not b
-    if leaving:  # S*_last + M_last S_{last,0} of the last sequence (M_last where that start can be nonzero)
-        active[0, idx.last_row] = 1
-        if idx.last_row_has_prev or has_h0:
-            active[1, idx.last_row] = 1
-    return active
+def _segment_gates(hopper, x, idx: _PlanTensors, cp_warmup, has_h0: bool, dht_given: bool | None = None,
+                   leaving: bool = False):
+    """(exact [rows, Hv] fp32 0/1, active [2, rows, Hv] int32) from one `segment_gates` launch on the gates of
+    `x` (design doc §4): row j starts from the exact chain where row j - 1 does not warm up (the gates of
+    none of its trailing runs of chunks sum below `cp_warmup`; None: exact everywhere); active says which
+    summary walks `hopper.summaries` runs and from which chunk: S*_j where segment j + 1 starts from it (a
+    warmed-up row from the last chunk from which its gates sum below `cp_warmup`, as the torch backend
+    restarts), M_j where a chain multiplies it by a state or gradient that can be nonzero (`_gate_flags`).
+    has_h0: an initial state will be given; dht_given: None for no backward, else whether the final state
+    has a gradient; leaving: also the last row's S* and M, for the state it passes on (`leaving_state`)."""
+    threshold = -math.inf if cp_warmup is None else cp_warmup
+    return hopper.segment_masks(x.gcum, idx.cu, idx.gate_flags(has_h0, dht_given, leaving), threshold)
 
 
 def _segment_summaries(hopper, x, idx: _PlanTensors, cp_warmup, has_h0: bool, dht_given=None, leaving=False):
     """(S*_j, M_j, exact mask [rows, Hv]) of every segment from zero: step 1 above (no initial state
-    needed, only whether one will come), fp32."""
-    rows, Hv = idx.has_prev.numel(), x.num_v_heads
-    warm = walk_from = None
-    if cp_warmup is None:
-        exact = idx.has_prev[:, None].expand(rows, Hv)
-    else:
-        warm, walk_from = _warmup(x.gcum, idx, cp_warmup)
-        # row j starts from the exact chain where row j - 1 does not warm up (a > b: a and not b)
-        exact = torch.zeros(rows, Hv, dtype=torch.bool, device=warm.device)
-        torch.gt(idx.has_prev[1:, None], warm[:-1], out=exact[1:])
-    active = _summaries_needed(idx, warm, walk_from, Hv, has_h0, dht_given, leaving)
+    needed, only whether one will come), fp32, for the walks `_segment_gates` asks for."""
+    exact, active = _segment_gates(hopper, x, idx, cp_warmup, has_h0, dht_given, leaving)
     S_star, M = hopper.summaries(x, with_transition=True, active=active)
     return S_star, M, exact
 
@@ -182,7 +150,7 @@ def _chain(hopper, S_star, M, exact, idx: _PlanTensors, initial_state):
         S0.index_fill_(0, idx.first_index, 0.0)
     else:
         S0.index_copy_(0, idx.first_index, initial_state.to(S0.dtype))
-    return hopper.fold_segments(S0, S_star, M, exact.float(), idx.first, idx.last, reverse=False)
+    return hopper.fold_segments(S0, S_star, M, exact, idx.first, idx.last, reverse=False)
 
 
 def _packed(idx, *tensors):

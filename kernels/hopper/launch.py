@@ -30,6 +30,13 @@ SUMMARY_MAX_CTAS_PER_SM = 8
 # all exact, 69 -> 44 us at 8 (16 CTAs per head); 4 rows x 32 heads 33 us at 16, 43 at 8.
 CHAIN_BLOCK_V_CHOICES = (8, 16)
 
+# The flag bits of a segment row for `segment_gates` (segment_gates.py; set by flashqla/cp/segments.py)
+HAS_NEXT = 1  # the row's sequence continues in the next row
+INTO_EXACT = 2  # M_j is read when the next row is on the exact path
+ALWAYS_M = 4  # M_j is read whatever the warmup (the backward's scan into a given final-state gradient)
+FORCE_S = 8  # S*_j over the whole row (the state leaving the call)
+FORCE_M = 16  # M_j likewise
+
 _TORCH_TO_TL = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 KERNEL_DTYPES = tuple(_TORCH_TO_TL.values())
 
@@ -113,6 +120,12 @@ def compiled_segment_chain(block_v: int):
     return compile_from("segment_chain", "build_segment_chain", f"segment_chain(block_v={block_v})", block_v)
 
 
+@functools.lru_cache(maxsize=None)
+def compiled_segment_gates():
+    """The compiled gate statistics of intra-card CP segments (segment_gates.py)."""
+    return compile_from("segment_gates", "build_segment_gates", "segment_gates()")
+
+
 def kernel_configs(dtypes=KERNEL_DTYPES):
     """Every (kernel, args) pair dispatch can choose for TileLang dtypes `dtypes`: what a build machine compiles.
 
@@ -132,6 +145,7 @@ def kernel_configs(dtypes=KERNEL_DTYPES):
             yield compiled_chunk_dstates, (dtype, block_v)
     for block_v in CHAIN_BLOCK_V_CHOICES:
         yield compiled_segment_chain, (block_v,)
+    yield compiled_segment_gates, ()
 
 
 @functools.lru_cache(maxsize=None)
@@ -379,6 +393,18 @@ def fold_segments(out, bias, mats, mask, first_rows, last_rows, reverse: bool, b
     compiled_segment_chain(block_v)(flat(out), flat(bias), flat(mats), mask.reshape(-1), first_rows, last_rows, Hv,
                              int(reverse))
     return out
+
+
+def segment_masks(gcum, cu, flags, threshold: float):
+    """(exact fp32 [rows, Hv], active int32 [2, rows, Hv]) of the segments `cu` (int32 [rows + 1]) of a call
+    whose chunk-local cumulative gates are `gcum` ([Hv, T] fp32, `prepare`'s): which rows start from the
+    exact chain and which summary walks run from which chunk, from the rows' `flags` (int32 [rows],
+    segment_gates.py) and the warmup threshold (-inf: exact everywhere), in one launch."""
+    Hv, rows = gcum.shape[0], flags.numel()
+    exact = torch.empty(rows, Hv, dtype=torch.float32, device=gcum.device)
+    active = torch.empty(2, rows, Hv, dtype=torch.int32, device=gcum.device)
+    compiled_segment_gates()(gcum, cu, flags, exact, active, float(threshold))
+    return exact, active
 
 
 def output(x: ChunkedCall, h, vnew, scale: float) -> torch.Tensor:

@@ -97,6 +97,39 @@ def test_segment_chain_kernel_matches_the_float64_fold(reverse, block_v):
     assert rel_err(got, want) <= 1e-5, rel_err(got, want)
 
 
+@pytest.mark.parametrize("threshold", [-10.0, -3.0, float("-inf")])
+def test_segment_gates_kernel_matches_its_emulation(threshold):
+    """The gate statistics in one launch (segment_gates.py) against the fp32 emulation the CPU suite runs
+    (tests/kernel_emulator.py), element for element: rows of 1 to 100 chunks (more than one round of 32
+    chunks), 40 v-heads (a second, partial block of 32), g = 0 and strongly decaying heads, every flag bit;
+    outputs poisoned first (NaN, -7) so that an unwritten element shows."""
+    from flashqla.kernels.hopper import launch
+    from kernel_emulator import emulate_segment_gates
+
+    gen = torch.Generator(device="cuda").manual_seed(13)
+    lengths = [1, 63, 64, 65, 64 * 40 + 7, 64 * 100, 200, 64 * 32]
+    Hv, T = 40, sum(lengths)
+    g = -torch.rand(Hv, T, generator=gen, device="cuda") * torch.rand(Hv, 1, generator=gen, device="cuda") * 0.5
+    g[:4] = 0.0
+    g[4:8] *= 40
+    cu = torch.tensor([0] + lengths, device="cuda").cumsum(0).int()
+    gcum = torch.empty_like(g)  # chunk-local cumulative sums, as wy_inverse stores them
+    bounds = cu.tolist()
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        for t0 in range(start, end, 64):
+            gcum[:, t0:min(t0 + 64, end)] = g[:, t0:min(t0 + 64, end)].cumsum(-1)
+    rows = len(lengths)
+    flags = torch.randint(0, 32, (rows,), generator=gen, device="cuda", dtype=torch.int32)
+    exact = torch.full((rows, Hv), float("nan"), device="cuda")
+    active = torch.full((2, rows, Hv), -7, dtype=torch.int32, device="cuda")
+    launch.compiled_segment_gates()(gcum, cu, flags, exact, active, threshold)
+    want_exact, want_active = torch.empty(rows, Hv), torch.empty(2, rows, Hv, dtype=torch.int32)
+    emulate_segment_gates(gcum.cpu(), cu.cpu(), flags.cpu(), want_exact, want_active, threshold)
+    assert torch.equal(exact.cpu(), want_exact) and torch.equal(active.cpu(), want_active)
+    if threshold > float("-inf"):  # the inputs exercise both outcomes
+        assert (want_active[0] > 1).any() and (want_exact[1:] == 1).any()
+
+
 def test_chunk_wu_writes_the_chunks_the_summary_walks_read_as_wy_inverse_does(poisoned_outputs):
     """chunk_wu's W = GA diag(beta gamma) K and U = GA diag(beta) V from the forward build's GA equal the W and
     U the build with them stores, in every chunk from the first one a walk reads (M walks: all; S* walks
