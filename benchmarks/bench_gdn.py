@@ -282,8 +282,9 @@ def grouped_bars(path, labels, series, ylabel, title, width_per_group=1.2, label
 
 
 def plot(path, rows):
-    series = [(label, [r[key] or 0 for r in rows]) for key, label in (
-        ("flashqla", "flashqla"), ("best", "flashqla best"), ("fla", "FLA 0.6 Triton"), ("flash_qla", "FlashQLA 0.1.3"))]
+    series = [(label, [r.get(key) or 0 for r in rows]) for key, label in (
+        ("flashqla", "flashqla"), ("best", "flashqla best"), ("fla", "FLA 0.6 Triton"), ("flash_qla", "FlashQLA 0.1.3"),
+        ("flash_qla_cp", "FlashQLA 0.1.3 AutoCP"))]
     grouped_bars(path, [f"{r['name']}\n{r['seqs']}" for r in rows], series, "forward ms (lower is better)",
                  "GDN forward, H200, bf16, K = V = 128")
 
