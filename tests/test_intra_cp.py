@@ -98,8 +98,9 @@ def test_auto_rule_stays_off_when_batch_fills_the_gpu():
 
 
 @pytest.mark.parametrize("lengths,heads,expected", [
-    # the best L of the H200 sweep (2026-12-01; TP4 32K: 32, within 3% of 64)
-    ((32768,), 8, 32), ((16384,), 8, 16), ((8192,), 8, 16), ((8192,), 4, 16), ((32768,), 16, 32),
+    # the best L of the H200 sweeps (2026-12-01 and 2026-12-03)
+    ((32768,), 8, 32), ((16384,), 8, 16), ((8192,), 8, 16), ((8192,), 4, 16), ((32768,), 16, 64),
+    ((65536,), 16, 128), ((16384,), 16, 32), ((32768,), 12, 64), ((65536,), 8, 64), ((131072,), 8, 128),
     ((32768,), 24, 32), ((32768,), 32, 128), ((8192,), 32, 32), ((16384,) * 2, 16, 64), ((8192,) * 4, 4, 16),
     ((24576, 8192), 8, 32),
     ((4096,), 8, 0),  # 64 chunks: not measured
@@ -241,6 +242,15 @@ def test_summary_walks_run_only_where_the_chain_reads_them():
     assert kernels.active[0].tolist() == [[True, True], [True, True], [False, False], [False, False]]
     assert kernels.active[1].tolist() == [[False, False], [True, False], [False, False], [False, False]]
     assert rel_err(o[..., 0, :], o_ref[..., 0, :]) <= 1e-12 and rel_err(o, o_ref) <= 1e-4
+
+
+def test_tilelang_auto_rule_takes_longer_segments_on_a_gpu_with_fewer_sms():
+    """The cost model counts waves of walks on the device's SMs: with half an H200's SMs, 16 v-heads x 512
+    chunks fill the waves with 128-chunk segments instead of 64."""
+    from flashqla.cp.plan import calibrated_segment_chunks
+
+    assert calibrated_segment_chunks((32768,), 16) == 64
+    assert calibrated_segment_chunks((32768,), 16, sm_count=66) == 128
 
 
 def test_warmup_restarts_at_the_last_chunk_from_which_the_gates_sum_below_the_threshold():

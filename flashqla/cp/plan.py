@@ -75,35 +75,60 @@ def auto_segment_chunks(lengths: tuple[int, ...], heads: int, sm_count: int) -> 
 # one summary launch and the final walk fused): CUDA-graph ms, forward / fwd+bwd, off vs the best L: Hv 8
 # 32K 1.58 / 5.86 -> 0.79 / 2.94 (L 32), Hv 24 32K 2.66 / 9.30 -> 1.90 / 7.65 (32), Hv 32 32K 2.88 /
 # 11.70 -> 2.22 / 10.25 (128); loads above 32 (e.g. 4 x 8K x 64 heads) were not measured to gain. Re-swept
-# on 2026-12-01 (fourteenth session: cheaper summaries and chain, docs/benchmarks.md) over 19 configs:
-# the best L grows with the work, v-heads x total chunks (HC), as the cost model's sqrt(N) says: at loads
-# <= 24, HC <= 2048 wants 16 chunks (TP8 16K 1.037 -> 0.983 ms fwd+bwd, (2, 4) 8K 0.506 -> 0.446, (4, 8)
-# 8K 0.677 -> 0.614, (2, 4) 4 x 8K 1.012 -> 0.927), above it 32 (Hv 24 32K: 64 loses 8%; Hv 16 32K: 64
-# wins 3%); at loads 25-32, HC / 128 chunks (Hv 16 2 x 16K: 64, 3.53 -> 3.00; Hv 32 32K: 128; Hv 32 8K:
-# 32, 1.785 off -> 1.588).
+# on 2026-12-01 (fourteenth session, 19 configs) and 2026-12-03 (twenty-sixth, 14 configs at L = 16 to 128,
+# docs/benchmarks.md): the best L is where the walks (segments x v-heads) fill whole waves of the GPU with
+# the fewest segments. A walk's chunk steps run in parallel across CTAs, so the walks take about waves x L
+# chunk steps, and each segment of the longest sequence adds a step of the fp32 fold (forward and backward)
+# and per-segment work (warm-up walks, W and U of its last chunks):
+#     cost(L) = ceil(heads x segments / SMs) x L x WALK_STEP + segments of the longest sequence x SEGMENT_STEP
+# WALK_STEP is the H200's time per chunk of the final and summary walks at TP8 32K; SEGMENT_STEP is fitted
+# to the sweeps (between 3.2 and 6.4 us every measured best holds; the fold alone is ~2.5 us a step each
+# way). The cheapest L of 16, 32, 64, 128 (the longest on a tie) is the measured best, forward and fwd+bwd,
+# on 13 of the last sweep's 14 configs (h32 32K: 128 against 64, within 1%) and reproduces the fourteenth
+# session's table, e.g. Hv 8 32K: 32; Hv 8 128K: 128 (forward 15% faster than at 32); Hv 16 32K: 64 (3-4%);
+# Hv 12 32K: 64 (forward 5-10% faster than at 16 and 32); Hv 24 32K: 32, where 64 and 128 would leave a
+# wave part-filled.
 TILELANG_MAX_LOAD = 32  # effective batch x v-heads
 TILELANG_MIN_CHUNKS = 128  # longest sequence (8K tokens); shorter ones were not measured
-TILELANG_SHORT_SEGMENTS_MAX_LOAD = 24  # L of 16 or 32 chunks up to this load, HC / 128 above
-TILELANG_SHORTEST_MAX_WORK = 2048  # v-heads x total chunks up to which L = 16
+TILELANG_SEGMENT_CHOICES = (16, 32, 64, 128)  # chunks; shorter and longer ones were not measured to win
+WALK_STEP_US = 4.8  # one chunk of the final and summary walks (H200)
+SEGMENT_STEP_US = 5.0  # one segment of the longest sequence (fitted, H200)
+H200_SMS = 132
 
 
-def calibrated_segment_chunks(lengths: tuple[int, ...], heads: int) -> int:
-    """"auto" on the TileLang kernels, for a longest sequence of >= 128 chunks and effective batch x heads
-    (load) <= 32: with HC = heads x total chunks, L = 16 chunks (HC <= 2048) or 32 at loads <= 24, else
-    HC / 128 (a power of two, 32 to 128); 0 (off) otherwise or when the longest sequence fits one segment."""
+@functools.lru_cache(maxsize=256)
+def calibrated_segment_chunks(lengths: tuple[int, ...], heads: int, sm_count: int = H200_SMS) -> int:
+    """"auto" on the TileLang kernels: for a longest sequence of >= 128 chunks and effective batch x heads
+    (load) <= 32, the L of TILELANG_SEGMENT_CHOICES with the lowest modelled cost (above; the longest on a
+    tie) among those shorter than the longest sequence; 0 (off) otherwise."""
     chunks = [math.ceil(n / CHUNK) for n in lengths if n > 0]
     if not chunks:
         return 0
     total, longest = sum(chunks), max(chunks)
-    load = total / longest * heads
-    if load > TILELANG_MAX_LOAD or longest < TILELANG_MIN_CHUNKS:
+    if total / longest * heads > TILELANG_MAX_LOAD or longest < TILELANG_MIN_CHUNKS:
         return 0
-    work = heads * total
-    if load <= TILELANG_SHORT_SEGMENTS_MAX_LOAD:
-        L = 16 if work <= TILELANG_SHORTEST_MAX_WORK else 32
-    else:
-        L = min(128, max(32, 2 ** round(math.log2(work / 128))))
-    return L if longest > L else 0
+
+    def cost(L):
+        segments = sum(math.ceil(c / L) for c in chunks)
+        waves = math.ceil(heads * segments / sm_count)
+        return waves * L * WALK_STEP_US + math.ceil(longest / L) * SEGMENT_STEP_US
+
+    candidates = [L for L in TILELANG_SEGMENT_CHOICES if longest > L]
+    return min(reversed(candidates), key=cost) if candidates else 0
+
+
+@functools.lru_cache(maxsize=16)
+def _sm_count(device_index: int) -> int:
+    import torch
+
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _sm_count_of(device) -> int:
+    """The SM count of CUDA device `device` (the current one when it has no index), cached per device."""
+    import torch
+
+    return _sm_count(torch.cuda.current_device() if device.index is None else device.index)
 
 
 def resolve_segment_chunks(intra_cp, lengths: tuple[int, ...], heads: int, device, backend: str = "torch") -> int:
@@ -115,10 +140,10 @@ def resolve_segment_chunks(intra_cp, lengths: tuple[int, ...], heads: int, devic
         return 0
     if intra_cp == "auto":
         if backend == "tilelang":
-            return calibrated_segment_chunks(lengths, heads)
+            if device.type != "cuda":  # the emulated kernels of the CPU tests: the H200 the rule was fitted on
+                return calibrated_segment_chunks(lengths, heads)
+            return calibrated_segment_chunks(lengths, heads, _sm_count_of(device))
         if device.type != "cuda":
             return 0
-        import torch
-
-        return auto_segment_chunks(lengths, heads, torch.cuda.get_device_properties(device).multi_processor_count)
+        return auto_segment_chunks(lengths, heads, _sm_count_of(device))
     return int(intra_cp)
