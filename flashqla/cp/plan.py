@@ -84,10 +84,11 @@ def auto_segment_chunks(lengths: tuple[int, ...], heads: int, sm_count: int) -> 
 # WALK_STEP is the H200's time per chunk of the final and summary walks at TP8 32K; SEGMENT_STEP is fitted
 # to the sweeps (between 3.2 and 6.4 us every measured best holds; the fold alone is ~2.5 us a step each
 # way). The cheapest L of 16, 32, 64, 128 (the longest on a tie) is the measured best, forward and fwd+bwd,
-# on 13 of the last sweep's 14 configs (h32 32K: 128 against 64, within 1%) and reproduces the fourteenth
-# session's table, e.g. Hv 8 32K: 32; Hv 8 128K: 128 (forward 15% faster than at 32); Hv 16 32K: 64 (3-4%);
-# Hv 12 32K: 64 (forward 5-10% faster than at 16 and 32); Hv 24 32K: 32, where 64 and 128 would leave a
-# wave part-filled.
+# on 13 of the last sweep's 14 configs (h32 32K: 128 against 64, within 1%), and on the fourteenth
+# session's 19 (where Hv 16 x 32K was 3% faster at 64 too, and Hv 4 x 32K 8% faster forward at 32 with
+# fwd+bwd tied, than the previous rule's 32 and 16), e.g. Hv 8 32K: 32; Hv 8 128K: 128 (forward 15%
+# faster than at 32); Hv 16 32K: 64 (3-4%); Hv 12 32K: 64 (forward 5-10% faster than at 16 and 32); Hv 24
+# 32K: 32, where 64 and 128 would leave a wave part-filled.
 TILELANG_MAX_LOAD = 32  # effective batch x v-heads
 TILELANG_MIN_CHUNKS = 128  # longest sequence (8K tokens); shorter ones were not measured
 TILELANG_SEGMENT_CHOICES = (16, 32, 64, 128)  # chunks; shorter and longer ones were not measured to win
