@@ -9,6 +9,7 @@ import functools
 import math
 from dataclasses import dataclass
 
+from ..kernels.hopper.launch import _sm_count_on  # the SM count the kernels' tile choices read
 from ..ops.layout import CHUNK
 
 
@@ -118,20 +119,6 @@ def calibrated_segment_chunks(lengths: tuple[int, ...], heads: int, sm_count: in
     return min(reversed(candidates), key=cost) if candidates else 0
 
 
-@functools.lru_cache(maxsize=16)
-def _sm_count(device_index: int) -> int:
-    import torch
-
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-def _sm_count_of(device) -> int:
-    """The SM count of CUDA device `device` (the current one when it has no index), cached per device."""
-    import torch
-
-    return _sm_count(torch.cuda.current_device() if device.index is None else device.index)
-
-
 def resolve_segment_chunks(intra_cp, lengths: tuple[int, ...], heads: int, device, backend: str = "torch") -> int:
     """intra_cp = "off" | "auto" | int (forced segment length in chunks) -> L (0 = not cut).
 
@@ -143,8 +130,8 @@ def resolve_segment_chunks(intra_cp, lengths: tuple[int, ...], heads: int, devic
         if backend == "tilelang":
             if device.type != "cuda":  # the emulated kernels of the CPU tests: the H200 the rule was fitted on
                 return calibrated_segment_chunks(lengths, heads)
-            return calibrated_segment_chunks(lengths, heads, _sm_count_of(device))
+            return calibrated_segment_chunks(lengths, heads, _sm_count_on(device))
         if device.type != "cuda":
             return 0
-        return auto_segment_chunks(lengths, heads, _sm_count_of(device))
+        return auto_segment_chunks(lengths, heads, _sm_count_on(device))
     return int(intra_cp)
