@@ -84,30 +84,21 @@ def emulate_wy_inverse(k, beta, g, cu, offsets, v, GA, gcum, w, u, chunk_slots, 
             _store(u, t0, n, U)
 
 
-def emulate_chunk_wu(k, v, GA, beta, gcum, cu, offsets, active, w, u, chunk_slots, search_steps, store_u):
-    """W = GA diag(beta gamma) K and U = GA diag(beta) V from the forward's GA = Gamma o A, in the chunks from
-    the first one a walk of `active` reads; the rows of the other chunks become NaN (memory the kernel leaves
-    unwritten, so a walk reading them shows). u is untouched without store_u."""
-    Hv = v.shape[1]
-    N = cu.numel() - 1
-    # each walk's first chunk as chunk_states reads `active` (a >= 1: from chunk a - 1; 0: not walked)
-    walks = active.view(2, N, Hv).long()
-    first = torch.where(walks >= 1, walks - 1, chunk_slots).amin(0)
+def emulate_chunk_w(k, GA, beta, gcum, cu, offsets, w, chunk_slots, search_steps):
+    """W = GA diag(beta gamma) K from the forward's GA = Gamma o A, every chunk."""
+    Hv = GA.shape[1]
     hk = _qk_heads(k.shape[1], Hv)
-    for n, c, t0, rows in _chunks(cu):
+    for _, _, t0, rows in _chunks(cu):
         gamma = _gates(gcum, t0, rows)[1]
         b = _rows(beta, t0, rows)[:, :, None]
-        GAc = _rows(GA, t0, rows)  # [Hv, C, C]
-        live = (c >= first[n])[:, None, None]
-        W = GAc @ (b * gamma[:, :, None] * _rows(k, t0, rows, hk))
-        _store(w, t0, rows, torch.where(live, W, torch.nan))
-        if store_u:
-            _store(u, t0, rows, torch.where(live, GAc @ (b * _rows(v, t0, rows)), torch.nan))
+        _store(w, t0, rows, _rows(GA, t0, rows) @ (b * gamma[:, :, None] * _rows(k, t0, rows, hk)))
 
 
-def emulate_chunk_states(k, w, u, gcum, cu, offsets, h0, h_out, vnew, ht, mt, active, use_h0, store_ht, store_chunks,
-                         with_transition, use_active):
-    Hv, D = w.shape[1], w.shape[2]
+def emulate_chunk_states(k, v, GA, beta, w, u, gcum, cu, offsets, h0, h_out, vnew, ht, mt, active, use_h0, store_ht,
+                         store_chunks, with_transition, use_active, ga_form=False):
+    """The state walk; ga_form: V' = GA diag(beta) (V - diag(gamma) K S) from GA, v and beta (V = 0 for the
+    transition walks), else U - W S from w and u."""
+    Hv, D = v.shape[1], v.shape[2]
     N = cu.numel() - 1
     hk = _qk_heads(k.shape[1], Hv)
     # walk 0: U from h0 (the states, or S*); walk 1 (with_transition): U = 0 from I, into mt (M)
@@ -126,17 +117,22 @@ def emulate_chunk_states(k, w, u, gcum, cu, offsets, h0, h_out, vnew, ht, mt, ac
                 S = S0
             restart = (first[n] == c)[:, None, None]  # the walks that start at this chunk
             S = torch.where(restart, S0, S)
-            _, _, _, gamma_last, to_end = _gates(gcum, t0, rows)
+            _, gamma, _, gamma_last, to_end = _gates(gcum, t0, rows)
             if store_chunks:
                 h_out[offsets[n] + c] = S.to(h_out.dtype)
-            # a walk reads no W or U before its start chunk (chunk_wu leaves those rows unwritten)
+            K = _rows(k, t0, rows, hk)
+            # a walk reads nothing before its start chunk
             reads = (runs[n] & (first[n] <= c))[:, None, None]
-            Vn = -(torch.where(reads, _rows(w, t0, rows), 0.0) @ S)
-            if kind == 0:
-                Vn = Vn + torch.where(reads, _rows(u, t0, rows), 0.0)
+            if ga_form:
+                V = _rows(v, t0, rows) if kind == 0 else 0.0
+                Vd = _rows(beta, t0, rows)[:, :, None] * (V - gamma[:, :, None] * (K @ S))
+                Vn = torch.where(reads, _rows(GA, t0, rows) @ Vd, 0.0)
+            else:
+                Vn = -(torch.where(reads, _rows(w, t0, rows), 0.0) @ S)
+                if kind == 0:
+                    Vn = Vn + torch.where(reads, _rows(u, t0, rows), 0.0)
             if store_chunks:
                 _store(vnew, t0, rows, Vn)
-            K = _rows(k, t0, rows, hk)
             S = gamma_last[:, :, None] * S + K.transpose(-1, -2) @ (to_end[:, :, None] * Vn)
             S = S * runs[n, :, None, None]
             if store_ht and t0 + rows == cu[n + 1]:
@@ -268,8 +264,9 @@ def install(monkeypatch):
 
     kernels = {
         "compiled_wy_inverse": lambda dtype, with_wu: functools.partial(emulate_wy_inverse, with_wu=with_wu),
-        "compiled_chunk_wu": lambda dtype: emulate_chunk_wu,
-        "compiled_chunk_states": lambda dtype, block_v: emulate_chunk_states,
+        "compiled_chunk_w": lambda dtype: emulate_chunk_w,
+        "compiled_chunk_states": lambda dtype, block_v, ga_form=False: functools.partial(emulate_chunk_states,
+                                                                                          ga_form=ga_form),
         "compiled_chunk_output": lambda dtype: emulate_chunk_output,
         "compiled_fused_fwd": lambda dtype, block_v: emulate_fused_fwd,
         "compiled_chunk_dstates": lambda dtype, block_v: functools.partial(emulate_chunk_dstates,

@@ -161,8 +161,8 @@ def forward_passing_state(name: str, call: Call, scale: float, plan, cp_warmup, 
     comes out of the whole forward (not the segmented TileLang path). S_end comes from the call's own
     segment summaries and chain (`segments.leaving_state`): no approximation beyond the chain's own, and
     the WY inverse and summary launch it needs are the forward's own. (Behind the fused walk the summaries
-    read W and U rounded from Ab by chunk_wu, so S_end and the walk's final state agree to bf16 precision,
-    not bitwise.)"""
+    form V' from GA, v and beta as the fused walk does, but in another order of products and roundings, so
+    S_end and the walk's final state agree to bf16 precision, not bitwise.)"""
     if name != "tilelang" or not plan.is_segmented:
         return None
     hopper, _ = _hopper_kernels()

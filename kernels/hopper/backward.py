@@ -2,7 +2,7 @@
 
     (wy_inverse)          GA = Gamma o A and the chunk-local cumulative gates: the forward's, kept
                           (`KeptInverse`), or recomputed (the forward's build) when it kept none
-    chunk_wu (W only)     W = diag(gamma) A diag(beta) K, which the reverse walk reads at V tiles below 128
+    chunk_w               W = diag(gamma) A diag(beta) K, which the reverse walk reads at V tiles below 128
                           (at 128, where the walks fill the GPU, the walk forms W itself)
     fused_fwd (states)    the state entering every chunk (input dtype): the forward's walk again, without O
     chunk_dstates         the reverse walk: the gradient of the state leaving every chunk, and dS0
@@ -23,7 +23,7 @@ import functools
 import torch
 
 from .launch import (HEAD_DIM, ChunkedCall, block_v_on, compiled_chunk_bwd_local, compiled_chunk_dstates,
-                     compiled_gqa_sum, fused_states, prepare, prepare_from_kept, walk_forms_w, walk_operands_for,
+                     compiled_gqa_sum, fused_states, prepare, prepare_from_kept, walk_forms_w, walk_w,
                      walks_fill)
 
 
@@ -60,14 +60,14 @@ def state_gradients(x: ChunkedCall, do: torch.Tensor, scale: float, dht, store_d
     """chunk_dstates over every sequence of `x` from dO (`output_gradient`) with the output scale and dht
     (fp32 [N, Hv, 128, 128], or None for zero): (dh [chunk_slots, Hv, 128, 128] in the input dtype, or None
     without store_dh, dS0 fp32 [N, Hv, 128, 128]). At V tile 128 the walk forms W itself from GA, beta and the
-    gates; at narrower tiles it reads x's W, computed here (chunk_wu, every chunk) when x has none."""
+    gates; at narrower tiles it reads x's W, computed here (chunk_w, every chunk) when x has none."""
     N, Hv, device, D = x.num_seqs, x.num_v_heads, x.q.device, HEAD_DIM
     block_v = block_v_on(device, N, Hv)
     if walk_forms_w(block_v):
         w = x.v  # a stand-in: the walk reads GA and beta instead
     else:
         if x.w is None:
-            x.w, _ = walk_operands_for(x, None, with_u=False)
+            x.w = walk_w(x)
         w = x.w
     dh = torch.empty(x.chunk_slots if store_dh else 1, Hv, D, D, dtype=x.v.dtype, device=device)
     placeholder = torch.empty(1, D, D, dtype=torch.float32, device=device)
@@ -142,6 +142,6 @@ def chunk_gdn_bwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht, k
 def entering_state_gradients(q, k, v, g, beta, scale, cu_seqlens, do):
     """dS0 of every sequence when the gradients of their final states are zero: the reverse walk alone
     (no state recompute, no chunk-local gradients); fp32 [N, Hv, 128, 128]. Inter-card CP's D_p. The walk
-    reads W alone (formed in the walk, or by chunk_wu from the forward build's GA at narrower V tiles): no U."""
+    reads W alone (formed in the walk, or by chunk_w from the forward build's GA at narrower V tiles): no U."""
     x = prepare(q, k, v, g, beta, cu_seqlens, walk_operands=False)
     return state_gradients(x, output_gradient(x, do), scale, None, store_dh=False)[1]

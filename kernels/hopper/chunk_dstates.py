@@ -14,9 +14,9 @@ CP's D_p want dS0 alone) and at the end dS0, the gradient of the initial state. 
 
 W: at block_v = 128 (one CTA per walk, chosen where the walks fill the GPU) the walk forms W per chunk from
 the forward's GA, beta and the gates, W = GA diag(beta gamma) K (Gamma_rs gamma_s = gamma_r), a product
-that goes out behind the chain's first two and is read by the last: no `chunk_wu` launch and no W tensor
+that goes out behind the chain's first two and is read by the last: no `chunk_w` launch and no W tensor
 (T x Hv x 256 bytes). At narrower tiles every tile of a walk would form the same W again, and those walks
-are latency-bound: they read `chunk_wu`'s W (H200, 2026-12-02: the walk with its W 670 -> 583 us at (16, 32)
+are latency-bound: they read `chunk_w`'s W (H200, 2026-12-02: the walk with its W 670 -> 583 us at (16, 32)
 x 4K x 8, 1291 -> 1134 at (16, 64) x 8K x 4, but 1282 -> 1522 at (2, 8) x 32K x 1 at block_v 32). The
 unused operands are stand-ins (`v` for W).
 

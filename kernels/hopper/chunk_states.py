@@ -22,9 +22,24 @@ its sequence, skipping the chunks before it (intra-card CP's warmup restart, des
 leaving a segment from its last few chunks only, where the gates decay enough over them; summaries only,
 store_chunks = 0).
 
-Rows past the end of a sequence: K rows are zeroed after they land, and so are the V' rows that enter
-the update (the W and U rows there belong to the next sequence and need not be written: chunk_wu.py), so
-neither can touch S; gate rows repeat the last valid one (gamma_last is the gate at the last token, no
+GA form (`ga_form`, the build intra-card CP's summaries use when the forward computed no W and U): the
+walk reads the forward's GA = Gamma o A and beta instead, and forms V' from the same identity the fused
+forward uses (W = GA diag(beta gamma) K, U = GA diag(beta) V):
+
+    V' = GA diag(beta) (V - diag(gamma) K S)
+
+three products on the chain (K S, GA Vd, the update) instead of two, but no W and U computed for the
+walks (they were a separate launch from GA behind the fused forward's `wy_inverse`) and no W, U tensors
+written and read again (2 x 256 bytes per token and v-head); the transition walks take V = 0. H200,
+2026-12-03, public op forward in CUDA graphs, the previous launch + W/U walk against this: TP8 32K 0.310 ->
+0.304 ms (the walk 48 -> 76 us, the 37 us launch gone), TP8 16K 0.197 -> 0.189, 27B TP2 0.794 -> 0.734, but
+TP4 32K 0.517 -> 0.524 (64-chunk segments: the longer chain per step costs more there than the launch did).
+Scaling GA's columns by beta in place instead, to take a multiply off the chain, was slower (TP8 32K
+0.314, h32 1.04 against 0.94): an elementwise pass over a 64 x 64 tile costs more than the multiply.
+
+Rows past the end of a sequence: K rows are zeroed after they land (beta too in the GA form), and so are
+the V' rows that enter the update (the W, U and GA rows there are the next sequence's, or never written),
+so neither can touch S; gate rows repeat the last valid one (gamma_last is the gate at the last token, no
 exp2 argument is positive), and the V' rows they produce are not stored.
 
 Loads are double buffered with cp.async (chunk c + 1 lands while chunk c computes); 128 threads for
@@ -45,13 +60,13 @@ def threads_for(block_v: int) -> int:
 @T.macro
 def summary_walk_start(a, skipped_start):
     """The chunk (within its sequence) where a summary walk whose `active` entry is `a` starts: a - 1 for
-    a >= 1, `skipped_start` for a skipped walk (a = 0). chunk_wu.py decodes `active` with this too, so it
-    writes W and U from the first chunk any walk reads."""
+    a >= 1, `skipped_start` for a skipped walk (a = 0)."""
     return T.if_then_else(a >= 1, a - 1, skipped_start)
 
 
-def build_chunk_states(dtype: str, block_v: int):
-    """The prim_func for q/k/v dtype `dtype` and V tile width `block_v`; all sizes are dynamic."""
+def build_chunk_states(dtype: str, block_v: int, ga_form: bool = False):
+    """The prim_func for q/k/v dtype `dtype` and V tile width `block_v`; all sizes are dynamic. ga_form: read
+    v, GA and beta (w and u are stand-ins), else w and u (v, GA and beta are)."""
     if HEAD_DIM % block_v:
         raise ValueError(f"block_v must divide {HEAD_DIM}, got {block_v}")
     num_tokens = T.dynamic("num_tokens")
@@ -65,30 +80,41 @@ def build_chunk_states(dtype: str, block_v: int):
     num_active = T.dynamic("num_active")
     C, D, BV = CHUNK, HEAD_DIM, block_v
     threads = threads_for(BV)
+    loads = 5 if ga_form else 4  # commit groups per chunk (load_chunk)
 
     @T.macro
-    def load_chunk(k, w, u, gcum, t0, hk, h, v0, K_s, W_s, U_s, graw_s):
-        """cp.async the chunk starting at token t0 into one stage (four commit groups)."""
+    def load_chunk(k, v, GA, beta, w, u, gcum, t0, hk, h, v0, K_s, W_s, U_s, b_s, graw_s):
+        """cp.async the chunk starting at token t0 into one stage (`loads` commit groups): W_s holds GA, U_s
+        the V tile and b_s beta in the GA form."""
         T.async_copy(k[t0:t0 + C, hk, 0:D], K_s)
-        T.async_copy(w[t0:t0 + C, h, 0:D], W_s)
-        T.async_copy(u[t0:t0 + C, h, v0:v0 + BV], U_s)
+        if ga_form:
+            T.async_copy(GA[t0:t0 + C, h, 0:C], W_s)
+            T.async_copy(v[t0:t0 + C, h, v0:v0 + BV], U_s)
+            T.async_copy(beta[t0:t0 + C, h], b_s)
+        else:
+            T.async_copy(w[t0:t0 + C, h, 0:D], W_s)
+            T.async_copy(u[t0:t0 + C, h, v0:v0 + BV], U_s)
         T.async_copy(gcum[h, t0:t0 + C], graw_s)
 
     @T.macro
-    def chunk_step(h_out, vnew, t0, n_rows, chunk_index, h, v0, store_chunks, use_u, K_s, W_s, U_s, graw_s, gc_sh, S_sh,
-                   Vs_sh, S, Vn, tail, decay):
-        """One chunk of the walk; use_u = 0 walks U = 0 (the transition product's columns)."""
+    def chunk_step(h_out, vnew, t0, n_rows, chunk_index, h, v0, store_chunks, use_u, K_s, W_s, U_s, b_s, graw_s, gc_sh,
+                   bg_sh, gam_sh, S_sh, Vd_sh, Vs_sh, S, Vn, tail, decay):
+        """One chunk of the walk; use_u = 0 walks U = 0 (the transition product's columns; V = 0 in the GA
+        form)."""
         if n_rows < C:
             for r, d in T.Parallel(C, D):
                 if r >= n_rows:
                     K_s[r, d] = T.cast(0, dtype)
         for r in T.Parallel(C):
             gc_sh[r] = graw_s[T.min(r, n_rows - 1)] * LOG2E
+            if ga_form:  # beta of the rows that exist (0 past the end: V there is the next sequence's), gamma
+                bg_sh[r] = T.if_then_else(r < n_rows, b_s[T.min(r, n_rows - 1)], 0.0)
+                gam_sh[r] = T.exp2(graw_s[T.min(r, n_rows - 1)] * LOG2E)
         if store_chunks != 0:
             T.copy(S_sh, h_out[chunk_index, h, 0:D, v0:v0 + BV])
 
-        # V' = U - W S (asynchronous WGMMA: gamma_last S is formed while it runs)
-        T.wgmma_gemm(W_s, S_sh, Vn, clear_accum=True)
+        # V' = U - W S, or K S first in the GA form (asynchronous WGMMA: gamma_last S is formed while it runs)
+        T.wgmma_gemm(K_s if ga_form else W_s, S_sh, Vn, clear_accum=True)
         for r in T.Parallel(C):
             tail[r] = T.exp2(gc_sh[C - 1] - gc_sh[r])
         decay = T.exp2(gc_sh[C - 1])
@@ -96,14 +122,27 @@ def build_chunk_states(dtype: str, block_v: int):
             S[i, j] = S[i, j] * decay
         T.wait_wgmma(0)
         T.warpgroup_fence_operand(Vn, num_regs=C * BV // threads)
-        if use_u != 0:
+        if ga_form:
+            # Vd = diag(beta) (V - diag(gamma) K S), then V' = GA Vd
+            if use_u != 0:
+                for r, j in T.Parallel(C, BV):
+                    Vd_sh[r, j] = T.cast(bg_sh[r] * (U_s[r, j] - gam_sh[r] * Vn[r, j]), dtype)
+            else:
+                for r, j in T.Parallel(C, BV):
+                    Vd_sh[r, j] = T.cast(-bg_sh[r] * gam_sh[r] * Vn[r, j], dtype)
+            T.fence_proxy_async()
+            T.sync_threads()
+            T.wgmma_gemm(W_s, Vd_sh, Vn, clear_accum=True)
+            T.wait_wgmma(0)
+            T.warpgroup_fence_operand(Vn, num_regs=C * BV // threads)
+        elif use_u != 0:
             for r, j in T.Parallel(C, BV):
                 Vn[r, j] = U_s[r, j] - Vn[r, j]
         else:
             for r, j in T.Parallel(C, BV):
                 Vn[r, j] = -Vn[r, j]
-        # rows past the sequence end are zero: the W and U bytes there are the next sequence's, which a
-        # segmented forward may not have written (chunk_wu.py), and 0 x NaN in K^T V' would be NaN
+        # rows past the sequence end are zero: the W, U or GA bytes there are the next sequence's, or never
+        # written (NaN in the GPU tests), and 0 x NaN in K^T V' would be NaN
         for r, j in T.Parallel(C, BV):
             Vs_sh[r, j] = T.if_then_else(r < n_rows, Vn[r, j] * tail[r], 0.0)
         T.sync_threads()
@@ -121,6 +160,9 @@ def build_chunk_states(dtype: str, block_v: int):
     @T.prim_func
     def chunk_states(
         k: T.Tensor((num_tokens, num_qk_heads, D), dtype),
+        v: T.Tensor((num_tokens, num_v_heads, D), dtype),
+        GA: T.Tensor((num_tokens, num_v_heads, C), dtype),
+        beta: T.Tensor((num_tokens, num_v_heads), "float32"),
         w: T.Tensor((num_tokens, num_v_heads, D), dtype),
         u: T.Tensor((num_tokens, num_v_heads, D), dtype),
         gcum: T.Tensor((num_v_heads, num_tokens), "float32"),
@@ -161,11 +203,16 @@ def build_chunk_states(dtype: str, block_v: int):
                 first_chunk = T.min(summary_walk_start(walk_active, num_chunks), num_chunks)
 
             K0, K1 = T.alloc_shared((C, D), dtype), T.alloc_shared((C, D), dtype)
-            W0, W1 = T.alloc_shared((C, D), dtype), T.alloc_shared((C, D), dtype)
+            # per stage: W and U, or GA, the V tile and beta in the GA form
+            W0, W1 = (T.alloc_shared((C, C if ga_form else D), dtype) for _ in range(2))
             U0, U1 = T.alloc_shared((C, BV), dtype), T.alloc_shared((C, BV), dtype)
+            b0, b1 = T.alloc_shared((C,), "float32"), T.alloc_shared((C,), "float32")
             graw0, graw1 = T.alloc_shared((C,), "float32"), T.alloc_shared((C,), "float32")
             gc_sh = T.alloc_shared((C,), "float32")
+            bg_sh = T.alloc_shared((C,), "float32")  # beta (GA form)
+            gam_sh = T.alloc_shared((C,), "float32")  # gamma (GA form)
             S_sh = T.alloc_shared((D, BV), dtype)
+            Vd_sh = T.alloc_shared((C, BV), dtype)  # diag(beta) (V - diag(gamma) K S) (GA form)
             Vs_sh = T.alloc_shared((C, BV), dtype)
             S = T.alloc_fragment((D, BV), "float32")
             Vn = T.alloc_fragment((C, BV), "float32")
@@ -183,7 +230,7 @@ def build_chunk_states(dtype: str, block_v: int):
                 T.clear(S)
             T.copy(S, S_sh)
             if first_chunk < num_chunks:
-                load_chunk(k, w, u, gcum, bos + first_chunk * C, hk, h, v0, K0, W0, U0, graw0)
+                load_chunk(k, v, GA, beta, w, u, gcum, bos + first_chunk * C, hk, h, v0, K0, W0, U0, b0, graw0)
 
             for i in T.serial(num_chunks - first_chunk):  # i counts the walk's chunks: its parity picks the stage
                 c = first_chunk + i
@@ -192,22 +239,22 @@ def build_chunk_states(dtype: str, block_v: int):
                 chunk_index = chunk_offsets[n] + c
                 if i % 2 == 0:
                     if c + 1 < num_chunks:
-                        load_chunk(k, w, u, gcum, t0 + C, hk, h, v0, K1, W1, U1, graw1)
-                        T.ptx_wait_group(4)
+                        load_chunk(k, v, GA, beta, w, u, gcum, t0 + C, hk, h, v0, K1, W1, U1, b1, graw1)
+                        T.ptx_wait_group(loads)
                     else:
                         T.ptx_wait_group(0)
                     T.sync_threads()
-                    chunk_step(h_out, vnew, t0, n_rows, chunk_index, h, v0, store_chunks, walks_u, K0, W0, U0, graw0, gc_sh, S_sh, Vs_sh,
-                               S, Vn, tail, decay)
+                    chunk_step(h_out, vnew, t0, n_rows, chunk_index, h, v0, store_chunks, walks_u, K0, W0, U0, b0, graw0, gc_sh, bg_sh,
+                               gam_sh, S_sh, Vd_sh, Vs_sh, S, Vn, tail, decay)
                 else:
                     if c + 1 < num_chunks:
-                        load_chunk(k, w, u, gcum, t0 + C, hk, h, v0, K0, W0, U0, graw0)
-                        T.ptx_wait_group(4)
+                        load_chunk(k, v, GA, beta, w, u, gcum, t0 + C, hk, h, v0, K0, W0, U0, b0, graw0)
+                        T.ptx_wait_group(loads)
                     else:
                         T.ptx_wait_group(0)
                     T.sync_threads()
-                    chunk_step(h_out, vnew, t0, n_rows, chunk_index, h, v0, store_chunks, walks_u, K1, W1, U1, graw1, gc_sh, S_sh, Vs_sh,
-                               S, Vn, tail, decay)
+                    chunk_step(h_out, vnew, t0, n_rows, chunk_index, h, v0, store_chunks, walks_u, K1, W1, U1, b1, graw1, gc_sh, bg_sh,
+                               gam_sh, S_sh, Vd_sh, Vs_sh, S, Vn, tail, decay)
                 T.sync_threads()  # the stage just used is refilled by the next iteration's loads
 
             if store_ht != 0:

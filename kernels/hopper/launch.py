@@ -64,9 +64,9 @@ def compiled_wy_inverse(dtype: str, with_wu: bool):
 
 
 @functools.lru_cache(maxsize=None)
-def compiled_chunk_wu(dtype: str):
-    """The compiled W and U of the chunks a walk reads (chunk_wu.py) for `dtype`."""
-    return compile_from("chunk_wu", "build_chunk_wu", f"chunk_wu({dtype})", dtype)
+def compiled_chunk_w(dtype: str):
+    """The compiled W of every chunk (chunk_w.py) for `dtype`."""
+    return compile_from("chunk_w", "build_chunk_w", f"chunk_w({dtype})", dtype)
 
 
 @functools.lru_cache(maxsize=None)
@@ -76,10 +76,11 @@ def compiled_fused_fwd(dtype: str, block_v: int):
 
 
 @functools.lru_cache(maxsize=None)
-def compiled_chunk_states(dtype: str, block_v: int):
-    """The compiled state walk (chunk_states.py) for `dtype` and V tile width `block_v`."""
-    return compile_from("chunk_states", "build_chunk_states", f"chunk_states({dtype}, block_v={block_v})", dtype,
-                        block_v)
+def compiled_chunk_states(dtype: str, block_v: int, ga_form: bool = False):
+    """The compiled state walk (chunk_states.py) for `dtype` and V tile width `block_v`; ga_form: the build
+    that reads GA, v and beta instead of W and U (intra-card CP's summaries)."""
+    label = f"chunk_states({dtype}, block_v={block_v}{', ga_form' if ga_form else ''})"
+    return compile_from("chunk_states", "build_chunk_states", label, dtype, block_v, ga_form)
 
 
 @functools.lru_cache(maxsize=None)
@@ -90,7 +91,7 @@ def compiled_chunk_output(dtype: str):
 
 def walk_forms_w(block_v: int) -> bool:
     """Whether the reverse walk at V tile `block_v` forms W itself from GA, beta and the gates (one CTA per
-    walk: no chunk_wu, no W tensor) rather than reading chunk_wu's: at narrower tiles every tile of a walk
+    walk: no chunk_w, no W tensor) rather than reading chunk_w's: at narrower tiles every tile of a walk
     would form the same W, on walks that are latency-bound (chunk_dstates.py)."""
     return block_v == HEAD_DIM
 
@@ -135,13 +136,14 @@ def kernel_configs(dtypes=KERNEL_DTYPES):
     for dtype in dtypes:
         yield compiled_wy_inverse, (dtype, True)
         yield compiled_wy_inverse, (dtype, False)
-        yield compiled_chunk_wu, (dtype,)
+        yield compiled_chunk_w, (dtype,)
         yield compiled_chunk_output, (dtype,)
         yield compiled_chunk_bwd_local, (dtype,)
         yield compiled_gqa_sum, (dtype,)
         for block_v in BLOCK_V_CHOICES:
             yield compiled_fused_fwd, (dtype, block_v)
             yield compiled_chunk_states, (dtype, block_v)
+            yield compiled_chunk_states, (dtype, block_v, True)
             yield compiled_chunk_dstates, (dtype, block_v)
     for block_v in CHAIN_BLOCK_V_CHOICES:
         yield compiled_segment_chain, (block_v,)
@@ -306,17 +308,17 @@ def _state_buffers(x: ChunkedCall, h0, store_final: bool):
 
 
 def _launch_walk(x: ChunkedCall, h0, store_chunks: bool, store_final: bool, with_transition: bool = False,
-                 active=None, w=None, u=None):
+                 active=None):
     """chunk_states over every sequence of `x` from h0 (fp32 [N, Hv, 128, 128] or None = zeros): (h | None,
-    V' | None, final states | None, transition products | None); the flags are the kernel's. w, u: the
-    walk operands when `x` has none (`summaries`)."""
+    V' | None, final states | None, transition products | None); the flags are the kernel's. Without U
+    in `x` (prepared without walk operands) the walk is the GA-form build."""
     N, Hv, device = x.num_seqs, x.num_v_heads, x.q.device
-    w, u = (x.w, x.u) if w is None else (w, u)
+    ga_form = x.u is None  # the backward's reverse walk may have added W alone
     h0_arg, ht, ht_arg = _state_buffers(x, h0, store_final)
     mt = torch.empty(N, Hv, HEAD_DIM, HEAD_DIM, dtype=torch.float32, device=device) if with_transition else None
     slots = x.chunk_slots if store_chunks else 1
-    h = torch.empty(slots, Hv, HEAD_DIM, HEAD_DIM, dtype=w.dtype, device=device)
-    vnew = torch.empty_like(w)  # allocator-cached; untouched when store_chunks is False
+    h = torch.empty(slots, Hv, HEAD_DIM, HEAD_DIM, dtype=x.v.dtype, device=device)
+    vnew = torch.empty_like(x.v)  # allocator-cached; untouched when store_chunks is False
     if active is None:
         active_arg = torch.ones(1, dtype=torch.int32, device=device)  # a placeholder: use_active = 0
     else:
@@ -326,9 +328,10 @@ def _launch_walk(x: ChunkedCall, h0, store_chunks: bool, store_final: bool, with
         block_v = block_v_on(device, num_walks, Hv)
     else:
         block_v = summary_block_v(num_walks * Hv, _sm_count_on(device))
-    compiled_chunk_states(x.dtype, block_v)(
-        x.k, w, u, x.gcum, x.cu, x.offsets, h0_arg, h, vnew, ht_arg,
-        ht_arg if mt is None else mt.view(N * Hv, HEAD_DIM, HEAD_DIM), active_arg,
+    # the build that does not read them takes v as its stand-in for W and U
+    compiled_chunk_states(x.dtype, block_v, ga_form)(
+        x.k, x.v, x.GA, x.beta, x.v if ga_form else x.w, x.v if ga_form else x.u, x.gcum, x.cu, x.offsets, h0_arg,
+        h, vnew, ht_arg, ht_arg if mt is None else mt.view(N * Hv, HEAD_DIM, HEAD_DIM), active_arg,
         int(h0 is not None), int(store_final), int(store_chunks), int(with_transition), int(active is not None))
     return (h if store_chunks else None, vnew if store_chunks else None, ht, mt)
 
@@ -348,27 +351,19 @@ def summaries(x: ChunkedCall, with_transition: bool, active=None):
     S* (0) and M (1) to compute (0: none, zeros come back) and from which chunk: a walk with active = a
     starts at chunk a - 1 of its sequence (1 or True: the whole sequence; more: a warmup restart).
 
-    When `x` was prepared without walk operands (a segmented forward whose last walk is fused), W and U
-    are computed here from GA for the chunks these walks read, `chunk_wu.py`."""
-    w = u = None
-    if x.w is None:
-        w, u = walk_operands_for(x, active)
+    When `x` was prepared without walk operands (a segmented forward whose last walk is fused), the walks
+    read GA, v and beta (chunk_states.py's GA form) instead of W and U."""
     _, _, S_star, M = _launch_walk(x, None, store_chunks=False, store_final=True, with_transition=with_transition,
-                                   active=active, w=w, u=u)
+                                   active=active)
     return S_star, M
 
 
-def walk_operands_for(x: ChunkedCall, active, with_u: bool = True):
-    """(W, U or None) [T, Hv, 128] of `x` (chunk_wu) in the rows the walks `active` ([2, N, Hv], as
-    `summaries` takes it; None: every chunk) read; the other rows are never written."""
+def walk_w(x: ChunkedCall) -> torch.Tensor:
+    """W [T, Hv, 128] of every chunk of `x` (chunk_w.py, from GA); rows past a sequence's end unwritten."""
     # torch.empty, not empty_like: the GPU tests poison what torch.empty returns
     w = torch.empty(x.v.shape, dtype=x.v.dtype, device=x.v.device)
-    u = torch.empty(x.v.shape, dtype=x.v.dtype, device=x.v.device) if with_u else None
-    if active is None:  # walks of every sequence and head from its first chunk
-        active = torch.ones(2 * x.num_seqs * x.num_v_heads, dtype=torch.int32, device=x.v.device)
-    compiled_chunk_wu(x.dtype)(x.k, x.v, x.GA, x.beta, x.gcum, x.cu, x.offsets, active.to(torch.int32).reshape(-1), w,
-                               w if u is None else u, x.chunk_slots, x.num_seqs.bit_length(), int(with_u))
-    return w, u
+    compiled_chunk_w(x.dtype)(x.k, x.GA, x.beta, x.gcum, x.cu, x.offsets, w, x.chunk_slots, x.num_seqs.bit_length())
+    return w
 
 
 def chain_block_v(num_chains: int, sm_count: int) -> int:

@@ -19,8 +19,8 @@ Built with `with_wu=False` (the forward's build) the kernel stops after GA and g
 reads nothing else, so the V load, the two products and the W/U stores (2 x 256 bytes per token and
 v-head) are skipped, `v`, `w`, `u` are never touched, and without that branch K, L and GA share one
 buffer: 32.5 KiB of shared memory and 96 registers (held there for 5 CTAs per SM), where the build with
-W and U needs 48.5 KiB and 123 (4). The segmented forward and the backward get W (and U) of the chunks
-their walks read from chunk_wu.py. The inverse needs no exp; the gates enter only GA, W and U.
+W and U needs 48.5 KiB and 123 (4). Behind it the segmented forward's summary walks read GA, v and beta
+(chunk_states.py's GA form) and the backward's narrow reverse walks W from chunk_w.py. The inverse needs no exp; the gates enter only GA, W and U.
 
 Chunks never straddle sequences. CTA c of the grid finds its sequence by binary search in
 `chunk_offsets` (exclusive prefix sum of chunks per sequence; `search_steps` = bit length of N); CTAs past

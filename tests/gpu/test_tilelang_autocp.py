@@ -4,7 +4,7 @@ import torch
 
 import flashqla
 from flashqla.cp.plan import resolve_segment_chunks
-from test_tilelang_forward import D, TOL, make_call, poisoned_outputs, reference, rel_err  # noqa: F401
+from test_tilelang_forward import D, TOL, make_call, poisoned_outputs, recurrence64, reference, rel_err  # noqa: F401
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
@@ -130,12 +130,10 @@ def test_segment_gates_kernel_matches_its_emulation(threshold):
         assert (want_active[0] > 1).any() and (want_exact[1:] == 1).any()
 
 
-def test_chunk_wu_writes_the_chunks_the_summary_walks_read_as_wy_inverse_does(poisoned_outputs):
-    """chunk_wu's W = GA diag(beta gamma) K and U = GA diag(beta) V from the forward build's GA equal the W and
-    U the build with them stores, in every chunk from the first one a walk reads (M walks: all; S* walks
-    from a - 1; none where neither runs), and leave the other rows unwritten (NaN-poisoned); the two
-    builds' GA and gcum are bitwise equal. A pack with 1- and 65-token sequences, GQA 2 -> 8, g = 0 and
-    strong decay heads. W alone (the backward's) equals the W of the same call with U."""
+def test_chunk_w_equals_the_w_wy_inverse_stores(poisoned_outputs):
+    """chunk_w's W = GA diag(beta gamma) K from the forward build's GA equals the W the build with W and U
+    stores, in every row (NaN-poisoned outputs); the two builds' GA and gcum are bitwise equal. A pack with
+    1- and 65-token sequences, GQA 2 -> 8, g = 0 and strong decay heads."""
     from flashqla.kernels.hopper import launch, prepare
 
     call = make_call([1000, 65, 1, 2030], 2, 8, seed=6)
@@ -143,26 +141,56 @@ def test_chunk_wu_writes_the_chunks_the_summary_walks_read_as_wy_inverse_does(po
     with_wu = prepare(*args)
     x = prepare(*args, walk_operands=False)
     assert torch.equal(x.GA, with_wu.GA) and torch.equal(x.gcum, with_wu.gcum)
-    gen = torch.Generator(device="cuda").manual_seed(12)
+    w = launch.walk_w(x)
+    assert not w.isnan().any()
+    assert rel_err(w, with_wu.w.double()) <= TOL, rel_err(w, with_wu.w.double())
+
+
+def test_summary_walks_match_the_float64_recurrence_from_their_start(poisoned_outputs, monkeypatch):
+    """`summaries`' S* (from zero) and M (the transition: v = 0 from S0 = I) of every (sequence, v-head) from
+    the chunk its `active` entry names (a >= 1: chunk a - 1; 0: skipped, zeros) equal the float64 recurrence
+    over the same tokens, for both builds of the walk (W and U from `wy_inverse`, and the GA form that
+    reads GA, v and beta) at every V tile. A pack with 1- and 65-token sequences, GQA 2 -> 8, g = 0 and
+    strong decay heads; outputs NaN-poisoned."""
+    from flashqla.kernels.hopper import launch, prepare
+
+    lengths, Hqk, Hv = [1000, 65, 1, 2030], 2, 8
+    call = make_call(lengths, Hqk, Hv, seed=7)
+    args = [call[n] for n in ("q", "k", "v", "g", "beta")] + [call["cu_seqlens"]]
+    with_wu, ga_only = prepare(*args), prepare(*args, walk_operands=False)
+    assert ga_only.u is None and with_wu.u is not None
+    gen = torch.Generator(device="cuda").manual_seed(13)
     chunks = (call["cu_seqlens"].diff() + 63) // 64  # [N]
-    N, Hv = chunks.numel(), 8
-    walk_S = torch.randint(0, 1 << 20, (N, Hv), generator=gen, device="cuda") % (chunks[:, None] + 1)
-    walk_M = torch.rand(N, Hv, generator=gen, device="cuda") < 0.25
-    active = torch.stack([walk_S, walk_M.long()]).int()
-    w, u = launch.walk_operands_for(x, active)
-    first = torch.where(walk_M, 0, torch.where(walk_S > 0, walk_S - 1, 1 << 30)).tolist()
+    N = chunks.numel()
+    active = torch.randint(0, 1 << 20, (2, N, Hv), generator=gen, device="cuda") % (chunks[None, :, None] + 1)
+    active[:, 0, :2] = torch.tensor([[1, 0]], device="cuda")  # a whole walk and a skipped one, surely
+    active = active.int()
+
+    # float64: the tokens before a walk's first chunk neither move nor decay its state (k = v = g = 0)
     bounds = call["cu_seqlens"].tolist()
-    read = torch.zeros(w.shape[:2], dtype=torch.bool, device="cuda")  # [T, Hv]: the rows a walk reads
-    for n in range(N):
-        for h in range(Hv):
-            read[bounds[n] + 64 * first[n][h]:bounds[n + 1], h] = True
-    assert read.any() and (~read).any()
-    for got, want in ((w, with_wu.w), (u, with_wu.u)):
-        assert got[~read].isnan().all()
-        assert not got[read].isnan().any()
-        assert rel_err(got[read], want[read].double()) <= TOL, rel_err(got[read], want[read].double())
-    w_alone, no_u = launch.walk_operands_for(x, active, with_u=False)
-    assert no_u is None and torch.equal(w_alone[read], w[read]) and w_alone[~read].isnan().all()
+    starts = torch.where(active >= 1, active - 1, chunks[None, :, None]).long()  # [2, N, Hv] chunk
+    t = torch.arange(bounds[-1], device="cuda")
+    seq_of = torch.bucketize(t, call["cu_seqlens"][1:].long(), right=True)
+    group = Hv // Hqk
+    k_heads = call["k"].repeat_interleave(group, 2)
+    want = []
+    for kind in (0, 1):
+        before = t[:, None] < call["cu_seqlens"][seq_of].long()[:, None] + 64 * starts[kind][seq_of]  # [T, Hv]
+        keep = (~before)[None]
+        v = call["v"] * keep[..., None] if kind == 0 else torch.zeros_like(call["v"])
+        h0 = None if kind == 0 else torch.eye(D, device="cuda").expand(N, Hv, D, D)
+        _, finals = recurrence64(k_heads, k_heads * keep[..., None], v, call["g"] * keep, call["beta"], 1.0, h0,
+                                 bounds)
+        want.append(torch.where((active[kind] >= 1)[..., None, None], finals, 0.0))
+
+    for x in (with_wu, ga_only):
+        for block_v in launch.BLOCK_V_CHOICES:
+            monkeypatch.setattr(launch, "summary_block_v", lambda *_, bv=block_v: bv)
+            S_star, M = launch.summaries(x, True, active)
+            for kind, got in enumerate((S_star, M)):
+                err = rel_err(got, want[kind])
+                assert err <= TOL, ("GA form" if x.u is None else "W, U", block_v, kind, err)
+                assert torch.equal(got[active[kind] == 0], torch.zeros_like(got[active[kind] == 0]))
 
 
 def test_segmented_step_and_cp_hand_offs_issue_no_host_sync():

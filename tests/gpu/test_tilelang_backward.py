@@ -96,7 +96,7 @@ def test_forced_intra_card_segments(cp_warmup, poisoned_outputs):
 @pytest.mark.parametrize("intra_cp", ["off", 3])
 def test_backward_that_recomputes_the_inverse(intra_cp, poisoned_outputs, monkeypatch):
     """FLASHQLA_KEEP_INVERSE=0: the forward keeps no A and the backward runs wy_inverse again (store_a); every
-    other test here takes the default, the backward forming W and U from the forward's A (chunk_wu from A)."""
+    other test here takes the default, the backward reading the forward's GA (W from it, in the walk or chunk_w)."""
     monkeypatch.setenv("FLASHQLA_KEEP_INVERSE", "0")
     assert_grads_match(make_call([1, 65, 64, 130, 7, 200, 1, 129], 2, 6, seed=8), intra_cp=intra_cp)
 
