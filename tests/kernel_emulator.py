@@ -57,6 +57,12 @@ def _start_state(states, n, use, Hv, D):
     return states[n * Hv:(n + 1) * Hv].double() if use else torch.zeros(Hv, D, D, dtype=torch.float64)
 
 
+def _v_new(GA, beta, V, gamma, K, S):
+    """V' = GA diag(beta) (V - diag(gamma) K S) of one chunk (GA = Gamma o A): the fused walk's, and the GA
+    form of the summary walk's."""
+    return GA @ (beta[:, :, None] * (V - gamma[:, :, None] * (K @ S)))
+
+
 def _output(Q, K, S, Vn, gamma, Gamma, scale):
     """O = scale (diag(gamma) Q S + (Gamma o Q K^T) V') of one chunk, [H, C, D]."""
     return scale * (gamma[:, :, None] * (Q @ S) + (Gamma * (Q @ K.transpose(-1, -2))) @ Vn)
@@ -125,8 +131,7 @@ def emulate_chunk_states(k, v, GA, beta, w, u, gcum, cu, offsets, h0, h_out, vne
             reads = (runs[n] & (first[n] <= c))[:, None, None]
             if ga_form:
                 V = _rows(v, t0, rows) if kind == 0 else 0.0
-                Vd = _rows(beta, t0, rows)[:, :, None] * (V - gamma[:, :, None] * (K @ S))
-                Vn = torch.where(reads, _rows(GA, t0, rows) @ Vd, 0.0)
+                Vn = torch.where(reads, _v_new(_rows(GA, t0, rows), _rows(beta, t0, rows), V, gamma, K, S), 0.0)
             else:
                 Vn = -(torch.where(reads, _rows(w, t0, rows), 0.0) @ S)
                 if kind == 0:
@@ -158,8 +163,7 @@ def emulate_fused_fwd(q, k, v, GA, beta, gcum, cu, offsets, h0, o, ht, h_out, sc
             S = _start_state(h0, n, use_h0, Hv, D)
         _, gamma, Gamma, gamma_last, to_end = _gates(gcum, t0, rows)
         Q, K = _rows(q, t0, rows, hk), _rows(k, t0, rows, hk)
-        Vd = _rows(beta, t0, rows)[:, :, None] * (_rows(v, t0, rows) - gamma[:, :, None] * (K @ S))
-        Vn = _rows(GA, t0, rows) @ Vd  # GA = Gamma o A
+        Vn = _v_new(_rows(GA, t0, rows), _rows(beta, t0, rows), _rows(v, t0, rows), gamma, K, S)
         if store_states:
             h_out[offsets[n] + c] = S.to(h_out.dtype)
         else:
