@@ -36,20 +36,21 @@ def main():
     for Hqk, Hv, lengths in CONFIGS:
         q, k, v, g, beta, cu = make_inputs(Hqk, Hv, lengths)
         x = launch.prepare(q, k, v, g, beta, cu)
+        w = launch.walk_w(x)  # the reverse walk reads W below V tile 128
         N = len(lengths)
         unused = torch.empty(1, D, D, device="cuda")
         no_active = torch.zeros(1, dtype=torch.int32, device="cuda")
-        h = torch.empty(x.chunk_slots, Hv, D, D, dtype=x.w.dtype, device="cuda")
-        vnew, do = torch.empty_like(x.w), torch.randn_like(x.w)
+        h = torch.empty(x.chunk_slots, Hv, D, D, dtype=x.v.dtype, device="cuda")
+        vnew, do = torch.empty_like(x.v), torch.randn_like(x.v)
         dS0 = torch.empty(N * Hv, D, D, device="cuda")
         cells = []
         for block_v in launch.BLOCK_V_CHOICES:
             states = launch.compiled_chunk_states(x.dtype, block_v)
             dstates = launch.compiled_chunk_dstates(x.dtype, block_v)
             # the plain walk storing every chunk's state: no h0, final state, transition or active list
-            run_states = functools.partial(states, x.k, x.w, x.u, x.gcum, x.cu, x.offsets, unused, h, vnew, unused,
-                                           unused, no_active, 0, 0, 1, 0, 0)
-            run_dstates = functools.partial(dstates, x.q, x.k, x.w, x.GA, x.beta, do, x.gcum, x.cu, x.offsets, unused,
+            run_states = functools.partial(states, x.k, x.v, x.GA, x.beta, x.gcum, x.cu, x.offsets, unused, h, vnew,
+                                           unused, unused, no_active, 0, 0, 1, 0, 0)
+            run_dstates = functools.partial(dstates, x.q, x.k, w, x.GA, x.beta, do, x.gcum, x.cu, x.offsets, unused,
                                             h, dS0, D ** -0.5, 0, 1, 1)
             run_states(), run_dstates()
             states_ms, dstates_ms = eager_median_ms(run_states, args.reps), eager_median_ms(run_dstates, args.reps)

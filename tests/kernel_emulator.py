@@ -58,8 +58,8 @@ def _start_state(states, n, use, Hv, D):
 
 
 def _v_new(GA, beta, V, gamma, K, S):
-    """V' = GA diag(beta) (V - diag(gamma) K S) of one chunk (GA = Gamma o A): the fused walk's, and the GA
-    form of the summary walk's."""
+    """V' = GA diag(beta) (V - diag(gamma) K S) of one chunk (GA = Gamma o A): the fused walk's and the state
+    walk's."""
     return GA @ (beta[:, :, None] * (V - gamma[:, :, None] * (K @ S)))
 
 
@@ -68,8 +68,8 @@ def _output(Q, K, S, Vn, gamma, Gamma, scale):
     return scale * (gamma[:, :, None] * (Q @ S) + (Gamma * (Q @ K.transpose(-1, -2))) @ Vn)
 
 
-def emulate_wy_inverse(k, beta, g, cu, offsets, v, GA, gcum, w, u, chunk_slots, search_steps, *, with_wu):
-    Hv = v.shape[1]
+def emulate_wy_inverse(k, beta, g, cu, offsets, GA, gcum, chunk_slots, search_steps):
+    Hv = GA.shape[1]
     hk = _qk_heads(k.shape[1], Hv)
     for _, _, t0, n in _chunks(cu):
         K = _rows(k, t0, n, hk)  # [Hv, C, D]
@@ -78,16 +78,10 @@ def emulate_wy_inverse(k, beta, g, cu, offsets, v, GA, gcum, w, u, chunk_slots, 
         L = torch.tril(b[:, :, None] * (K @ K.transpose(-1, -2)), -1)
         eye = torch.eye(C, dtype=torch.float64).expand_as(L)
         A = torch.linalg.solve_triangular(eye + L, eye, upper=False, unitriangular=True)
-        A_beta = A * b[:, None, :]
         lower = torch.ones(C, C, dtype=torch.bool).tril()
         Gamma = (gc[:, :, None] - gc[:, None, :]).masked_fill(~lower, -torch.inf).exp()
-        W = gc.exp()[:, :, None] * (A_beta @ K)
-        U = (Gamma * A_beta) @ _rows(v, t0, n)
         gcum[:, t0:t0 + n] = gc[:, :n].to(gcum.dtype)
-        _store(GA, t0, n, Gamma * A)  # the forward's operand carries its gate mask, not beta
-        if with_wu:  # else w and u are stand-ins that build never touches
-            _store(w, t0, n, W)
-            _store(u, t0, n, U)
+        _store(GA, t0, n, Gamma * A)  # the walks' operand carries its gate mask, not beta
 
 
 def emulate_chunk_w(k, GA, beta, gcum, cu, offsets, w, chunk_slots, search_steps):
@@ -100,14 +94,14 @@ def emulate_chunk_w(k, GA, beta, gcum, cu, offsets, w, chunk_slots, search_steps
         _store(w, t0, rows, _rows(GA, t0, rows) @ (b * gamma[:, :, None] * _rows(k, t0, rows, hk)))
 
 
-def emulate_chunk_states(k, v, GA, beta, w, u, gcum, cu, offsets, h0, h_out, vnew, ht, mt, active, use_h0, store_ht,
-                         store_chunks, with_transition, use_active, ga_form=False):
-    """The state walk; ga_form: V' = GA diag(beta) (V - diag(gamma) K S) from GA, v and beta (V = 0 for the
-    transition walks), else U - W S from w and u."""
+def emulate_chunk_states(k, v, GA, beta, gcum, cu, offsets, h0, h_out, vnew, ht, mt, active, use_h0, store_ht,
+                         store_chunks, with_transition, use_active):
+    """The state walk: V' = GA diag(beta) (V - diag(gamma) K S) from GA, v and beta (V = 0 for the transition
+    walks)."""
     Hv, D = v.shape[1], v.shape[2]
     N = cu.numel() - 1
     hk = _qk_heads(k.shape[1], Hv)
-    # walk 0: U from h0 (the states, or S*); walk 1 (with_transition): U = 0 from I, into mt (M)
+    # walk 0: V from h0 (the states, or S*); walk 1 (with_transition): V = 0 from I, into mt (M)
     for kind in range(1 + with_transition):
         # active a: 0 skips the walk (zeros stored), a >= 1 starts it from S0 at chunk a - 1
         first = (active.view(2, N, Hv)[kind].long() - 1) if use_active else torch.zeros(N, Hv, dtype=torch.long)
@@ -129,13 +123,8 @@ def emulate_chunk_states(k, v, GA, beta, w, u, gcum, cu, offsets, h0, h_out, vne
             K = _rows(k, t0, rows, hk)
             # a walk reads nothing before its start chunk
             reads = (runs[n] & (first[n] <= c))[:, None, None]
-            if ga_form:
-                V = _rows(v, t0, rows) if kind == 0 else 0.0
-                Vn = torch.where(reads, _v_new(_rows(GA, t0, rows), _rows(beta, t0, rows), V, gamma, K, S), 0.0)
-            else:
-                Vn = -(torch.where(reads, _rows(w, t0, rows), 0.0) @ S)
-                if kind == 0:
-                    Vn = Vn + torch.where(reads, _rows(u, t0, rows), 0.0)
+            V = _rows(v, t0, rows) if kind == 0 else 0.0
+            Vn = torch.where(reads, _v_new(_rows(GA, t0, rows), _rows(beta, t0, rows), V, gamma, K, S), 0.0)
             if store_chunks:
                 _store(vnew, t0, rows, Vn)
             S = gamma_last[:, :, None] * S + K.transpose(-1, -2) @ (to_end[:, :, None] * Vn)
@@ -267,10 +256,9 @@ def install(monkeypatch):
     from flashqla.kernels.hopper import backward, launch
 
     kernels = {
-        "compiled_wy_inverse": lambda dtype, with_wu: functools.partial(emulate_wy_inverse, with_wu=with_wu),
+        "compiled_wy_inverse": lambda dtype: emulate_wy_inverse,
         "compiled_chunk_w": lambda dtype: emulate_chunk_w,
-        "compiled_chunk_states": lambda dtype, block_v, ga_form=False: functools.partial(emulate_chunk_states,
-                                                                                          ga_form=ga_form),
+        "compiled_chunk_states": lambda dtype, block_v: emulate_chunk_states,
         "compiled_chunk_output": lambda dtype: emulate_chunk_output,
         "compiled_fused_fwd": lambda dtype, block_v: emulate_fused_fwd,
         "compiled_chunk_dstates": lambda dtype, block_v: functools.partial(emulate_chunk_dstates,

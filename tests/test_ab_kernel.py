@@ -1,7 +1,6 @@
 """scripts/ab_kernel.py on the CPU, with the kernel emulators standing in for compiled kernels: it finds the
 launch the public op makes, compares a variant's outputs with the committed kernel's, and flags a variant
 that writes different values or leaves memory unwritten (timing needs the H200)."""
-import functools
 import os
 import sys
 
@@ -39,35 +38,35 @@ def test_parse_build_args_and_configs():
 
 
 def test_the_committed_kernel_against_itself_agrees_exactly(emulated):
-    same = functools.partial(kernel_emulator.emulate_wy_inverse, with_wu=False)
-    rows = ab_kernel.ab("wy_inverse", ("bfloat16", False), {"same": same}, CONFIGS, cpu_inputs, log=lambda line: None)
+    same = kernel_emulator.emulate_wy_inverse
+    rows = ab_kernel.ab("wy_inverse", ("bfloat16",), {"same": same}, CONFIGS, cpu_inputs, log=lambda line: None)
     assert [row["variant"] for row in rows] == ["same"] * len(CONFIGS)
     for row in rows:
-        # GA (6) and gcum (7) are what the forward build writes
-        assert sorted(row["outputs"]) == [6, 7]
+        # GA (5) and gcum (6) are what it writes
+        assert sorted(row["outputs"]) == [5, 6]
         assert all(err == 0 and unwritten == 0 for err, unwritten in row["outputs"].values()), row
 
 
 def test_a_wrong_variant_shows_in_values_and_unwritten_rows(emulated):
     def off_by_a_percent(*args):
-        kernel_emulator.emulate_wy_inverse(*args, with_wu=False)
-        args[6].mul_(1.01)  # GA
+        kernel_emulator.emulate_wy_inverse(*args)
+        args[5].mul_(1.01)  # GA
 
     def leaves_the_last_rows(*args):
-        kernel_emulator.emulate_wy_inverse(*args, with_wu=False)
-        args[7][:, -5:] = float("nan")  # gcum's last tokens unwritten, as a kernel that skipped them
+        kernel_emulator.emulate_wy_inverse(*args)
+        args[6][:, -5:] = float("nan")  # gcum's last tokens unwritten, as a kernel that skipped them
 
     # both variants on one recorded launch, each on its own NaN-filled copy of the arguments
     wrong, unwritten = (row["outputs"] for row in ab_kernel.ab(
-        "wy_inverse", ("bfloat16", False), {"wrong": off_by_a_percent, "unwritten": leaves_the_last_rows},
+        "wy_inverse", ("bfloat16",), {"wrong": off_by_a_percent, "unwritten": leaves_the_last_rows},
         CONFIGS[:1], cpu_inputs, log=lambda line: None))
-    assert 5e-3 < wrong[6][0] < 2e-2 and wrong[6][1] == 0 and wrong[7] == (0.0, 0)
-    assert unwritten[7][1] == 4 * 5 and unwritten[6] == (0.0, 0)
+    assert 5e-3 < wrong[5][0] < 2e-2 and wrong[5][1] == 0 and wrong[6] == (0.0, 0)
+    assert unwritten[6][1] == 4 * 5 and unwritten[5] == (0.0, 0)
 
 
 def test_a_launch_the_call_never_makes_is_an_error(emulated):
     with pytest.raises(RuntimeError, match="no launch"):
-        ab_kernel.record_launch("wy_inverse", ("bfloat16", True), lambda: ab_kernel.public_op_step(
+        ab_kernel.record_launch("chunk_states", ("bfloat16", 128), lambda: ab_kernel.public_op_step(
             cpu_inputs(2, 4, [64]), "off"))
 
 
@@ -76,9 +75,9 @@ def test_timed_runs_do_not_hide_the_outputs_from_the_comparison(emulated, monkey
     # what the committed kernel writes (a timer that runs each kernel once stands in for CUDA graphs)
     monkeypatch.setattr(ab_kernel.torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(ab_kernel, "graph_time_us", lambda fn, reps=20: (fn(), 1.0)[1])
-    same = functools.partial(kernel_emulator.emulate_wy_inverse, with_wu=False)
-    rows = ab_kernel.ab("wy_inverse", ("bfloat16", False), {"first": same, "second": same}, CONFIGS[:1], cpu_inputs,
+    same = kernel_emulator.emulate_wy_inverse
+    rows = ab_kernel.ab("wy_inverse", ("bfloat16",), {"first": same, "second": same}, CONFIGS[:1], cpu_inputs,
                         log=lambda line: None)
     for row in rows:
-        assert sorted(row["outputs"]) == [6, 7], row
+        assert sorted(row["outputs"]) == [5, 6], row
         assert row["committed_us"] == row["variant_us"] == 1.0

@@ -139,8 +139,8 @@ def test_bad_cp_warmup(value, error):
 
 class TorchKernels:
     """Stands in for flashqla.kernels.hopper (prepare / walk / summaries / output) with the torch backend, so the
-    kernel-path CP composition runs on the CPU: a walk from h0 is a whole-sequence forward, U = 0 is V = 0
-    (U = (Gamma o A) diag(beta) V), and the "per-chunk states" it hands to `output` are just h0."""
+    kernel-path CP composition runs on the CPU: a walk from h0 is a whole-sequence forward, and the "per-chunk
+    states" it hands to `output` are just h0."""
 
     @staticmethod
     def _forward(x, v, scale, h0, output_final_state):
@@ -150,8 +150,7 @@ class TorchKernels:
         return torch_backend.forward(x.q, x.k, v, x.g, x.beta, scale, h0, output_final_state, plan)
 
     @staticmethod
-    def prepare(q, k, v, g, beta, cu, chunk_offsets=None, walk_operands=True):
-        # no W and U here whatever walk_operands says: every walk below is a torch-backend forward
+    def prepare(q, k, v, g, beta, cu, chunk_offsets=None):
         bounds = cu.tolist()
         gcum = g[0].t().clone()  # [Hv, T]: the chunk-local cumulative gate, as wy_inverse stores it
         for bos, eos in zip(bounds[:-1], bounds[1:]):
@@ -160,9 +159,9 @@ class TorchKernels:
         return SimpleNamespace(q=q, k=k, v=v, g=g, beta=beta, cu=cu, gcum=gcum, num_seqs=len(bounds) - 1,
                                num_v_heads=v.shape[2])
 
-    def walk(self, x, h0=None, *, store_final=True, use_u=True):
-        # U = 0: a K x K "state" from h0 = I walks to M (the kernels have K = V)
-        v = x.v if use_u else x.v.new_zeros(x.v.shape[:-1] + (x.k.shape[-1],))
+    def walk(self, x, h0=None, *, store_final=True, use_v=True):
+        # V = 0: a K x K "state" from h0 = I walks to M (the kernels have K = V)
+        v = x.v if use_v else x.v.new_zeros(x.v.shape[:-1] + (x.k.shape[-1],))
         _, ht = self._forward(x, v, 1.0, h0, True)
         return h0, None, ht if store_final else None
 
@@ -171,7 +170,7 @@ class TorchKernels:
         _, _, S_star = self.walk(x, None)
         K = x.k.shape[-1]
         eye = torch.eye(K, dtype=S_star.dtype).expand(x.num_seqs, x.num_v_heads, K, K)
-        M = self.walk(x, eye, use_u=False)[2] if with_transition else None
+        M = self.walk(x, eye, use_v=False)[2] if with_transition else None
         if active is not None and (active[0] > 1).any():  # S* walks from a restart chunk: V = 0 before it
             v = x.v.clone()
             for row, head in (active[0] > 1).nonzero().tolist():

@@ -50,24 +50,20 @@ def test_forward_paths_match_the_torch_backend(hopper, fused):
 
 
 @pytest.mark.parametrize("fused", [False, True], ids=["split", "fused"])
-def test_fused_forward_asks_for_no_walk_operands(hopper, monkeypatch, fused):
-    """The fused forward reads Ab and gcum alone: wy_inverse's build without W and U runs (v, which stands in
-    for the W and U arguments, comes back untouched); the split forward's walk gets W and U."""
+def test_forward_paths_launch_their_kernels_once_and_leave_the_inputs_alone(hopper, monkeypatch, fused):
+    """Both forwards start from one wy_inverse (GA and gcum); the fused one then runs fused_fwd alone, the
+    split one the state walk storing every chunk's state and V', then chunk_output. No input is written."""
     from flashqla.kernels.hopper import launch
 
-    flags = []
-    real = launch.compiled_wy_inverse
-
-    def spy(dtype, with_wu):
-        flags.append(with_wu)
-        return real(dtype, with_wu)
-
-    monkeypatch.setattr(launch, "compiled_wy_inverse", spy)
+    ran = []
+    for name in ("compiled_wy_inverse", "compiled_fused_fwd", "compiled_chunk_states", "compiled_chunk_output"):
+        real = getattr(launch, name)
+        monkeypatch.setattr(launch, name, lambda *a, real=real, name=name: ran.append(name[9:]) or real(*a))
     args, cu = call([1, 65, 130], Hqk=2, Hv=4, seed=3)
-    v_before = args["v"].clone()
+    before = {n: args[n].clone() for n in NAMES}
     o, _ = hopper.chunk_gdn_fwd(*(args[n] for n in NAMES), 128 ** -0.5, args["initial_state"], True, cu, fused=fused)
-    assert flags == [not fused]
-    assert torch.equal(args["v"], v_before)
+    assert ran == (["wy_inverse", "fused_fwd"] if fused else ["wy_inverse", "chunk_states", "chunk_output"])
+    assert all(torch.equal(args[n], before[n]) for n in NAMES)
     assert rel_err(o, torch_forward(args, cu)[0]) <= TOL
 
 
@@ -481,7 +477,7 @@ def test_passing_state_and_gradient_equal_the_whole_calls(hopper, monkeypatch, c
     assert all(torch.equal(a, b) for a, b in zip(grads_split + [dh0_split], grads + [dh0]))
 
 
-def test_backward_releases_the_walk_operands_before_the_chunk_local_kernel(hopper, monkeypatch):
+def test_backward_releases_w_before_the_chunk_local_kernel(hopper, monkeypatch):
     """W (read only by the reverse walk, computed for it) is no longer held when the chunk-local kernel runs,
     and the gradients are still the torch backend's."""
     from flashqla.kernels.hopper import backward, launch
@@ -493,17 +489,17 @@ def test_backward_releases_the_walk_operands_before_the_chunk_local_kernel(hoppe
         kernel = real(dtype)
 
         def run(*args):
-            seen["w_u"] = (x.w, x.u)
+            seen["w"] = x.w
             return kernel(*args)
         return run
 
     monkeypatch.setattr(backward, "compiled_chunk_bwd_local", spy)
     args, cu = call([130, 1, 64], Hqk=1, Hv=2, seed=11)
-    x = launch.prepare(*(args[n] for n in NAMES), cu, walk_operands=False)
+    x = launch.prepare(*(args[n] for n in NAMES), cu)
     do = torch.randn(args["v"].shape, generator=torch.Generator().manual_seed(12)).bfloat16()
     *grads, _ = backward.backward_of(x, *(args[n] for n in NAMES), backward.output_gradient(x, do), 128 ** -0.5,
                                      args["initial_state"], None)
-    assert seen["w_u"] == (None, None)
+    assert seen["w"] is None
     *ref, _ = hopper.chunk_gdn_bwd(*(args[n] for n in NAMES), 128 ** -0.5, args["initial_state"], cu, do, None)
     assert all(torch.equal(a, b) for a, b in zip(grads, ref))
 
@@ -525,8 +521,8 @@ def test_the_backward_walks_go_side_by_side_only_where_one_walk_leaves_sms_idle(
 @pytest.mark.parametrize("keep", ["1", "0"], ids=["kept", "recomputed"])
 def test_backward_reads_the_inverse_its_forward_kept(hopper, monkeypatch, intra_cp, keep, sm_count):
     """A forward whose backward will run keeps its GA and gates, and its backward runs no wy_inverse (with
-    FLASHQLA_KEEP_INVERSE=0 it runs the forward's build again); either way the backward's states come from
-    fused_fwd's state walk and, for the reverse walk, W alone from chunk_w (no U, no chunk_states) at narrow
+    FLASHQLA_KEEP_INVERSE=0 it runs it again); either way the backward's states come from
+    fused_fwd's state walk and, for the reverse walk, W alone from chunk_w (no chunk_states) at narrow
     V tiles, or no chunk_w at all where the walks fill the SMs (V tile 128: the walk forms W from GA),
     unsegmented and with intra-card segments (whose walk from zero stores no per-chunk dS), and the gradients
     are the torch backend's. Under no_grad nothing is kept."""
@@ -549,7 +545,7 @@ def test_backward_reads_the_inverse_its_forward_kept(hopper, monkeypatch, intra_
             if hasattr(module, name):
                 monkeypatch.setattr(module, name, compiled)
 
-    spy("compiled_wy_inverse", lambda build, args: (build[1],))  # with W and U
+    spy("compiled_wy_inverse", lambda build, args: ())
     spy("compiled_chunk_w", lambda build, args: ())
     spy("compiled_fused_fwd", lambda build, args: (args[-1],))  # store_states
     spy("compiled_chunk_states", lambda build, args: ())
@@ -579,7 +575,7 @@ def test_backward_reads_the_inverse_its_forward_kept(hopper, monkeypatch, intra_
         if backend == "tilelang":
             backward_launches = sorted(launches)
     assert kept_flags[1] == (keep == "1")
-    recompute = [] if keep == "1" else [("wy_inverse", False)]
+    recompute = [] if keep == "1" else [("wy_inverse",)]
     # the reverse walk stores every chunk's dS for the chunk-local kernel; the segments' walk from zero (D_j)
     # wants dS0 alone
     block_v = 32 if sm_count == 132 else 128  # 4 sequences x 4 heads (x 2 segments) against the SMs

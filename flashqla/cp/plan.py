@@ -80,7 +80,7 @@ def auto_segment_chunks(lengths: tuple[int, ...], heads: int, sm_count: int) -> 
 # docs/benchmarks.md): the best L is where the walks (segments x v-heads) fill whole waves of the GPU with
 # the fewest segments. A walk's chunk steps run in parallel across CTAs, so the walks take about waves x L
 # chunk steps, and each segment of the longest sequence adds a step of the fp32 fold (forward and backward)
-# and per-segment work (warm-up walks, W and U of its last chunks):
+# and per-segment work (warm-up walks):
 #     cost(L) = ceil(heads x segments / SMs) x L x WALK_STEP + segments of the longest sequence x SEGMENT_STEP
 # WALK_STEP is the H200's time per chunk of the final and summary walks at TP8 32K; SEGMENT_STEP is fitted
 # to the sweeps (between 3.2 and 6.4 us every measured best holds; the fold alone is ~2.5 us a step each

@@ -3,10 +3,9 @@
 A segment is a shorter sequence with its own initial state. After one `wy_inverse` over all chunks:
 
 1. one state-only summary launch (chunk_states with store_chunks = 0): S*_j, every segment from zero,
-   and in the same launch the transition product M_j (the walk of U = 0 from I; S_end = M_j S_0 + S*_j),
+   and in the same launch the transition product M_j (the walk of V = 0 from I; S_end = M_j S_0 + S*_j),
    each only where the chain reads it (no S* for a sequence's last segment; M only for a (segment,
-   head) on the exact path, next to a nonzero state); when step 3 is fused, `wy_inverse` skipped W and U
-   and these walks read GA, v and beta instead (chunk_states' GA form);
+   head) on the exact path, next to a nonzero state), from GA, v and beta;
 2. the chain S_{j,0} = S*_{j-1} + [exact] M_{j-1} S_{j-1,0} in fp32 (one `segment_chain` launch), where a
    head takes the M term only when the previous segment's summed log-decay stays above `cp_warmup`;
    elsewhere S*_{j-1} is the warmup state, the walk of only the last chunks of segment j-1 whose gates
@@ -185,8 +184,7 @@ def forward_summaries(hopper, q, k, v, g, beta, plan: SegmentPlan, cp_warmup, ha
     idx = _plan_tensors(plan, q.shape[0] * q.shape[1], q.device)
     # segments start on chunk boundaries of their sequence, so they chunk exactly like the sequences
     packed = _packed(idx, q, k, v, g, beta)
-    # a fused last walk reads no W and U: the summary walks then read GA, v and beta (the GA form)
-    x = hopper.prepare(*packed, idx.cu, chunk_offsets=idx.chunk_offsets, walk_operands=not fused)
+    x = hopper.prepare(*packed, idx.cu, chunk_offsets=idx.chunk_offsets)
     summaries = _segment_summaries(hopper, x, idx, cp_warmup, has_h0, dht_given, leaving)
     return ForwardSummaries(idx, packed, x, *summaries, v.shape, fused, keep_inverse)
 
@@ -285,7 +283,7 @@ def backward_prologue(hopper, q, k, v, g, beta, scale, initial_state, plan: Segm
     packed = _packed(idx, q, k, v, g, beta)
     kept = kept or Kept()
     if kept.inverse is None:
-        x = hopper.prepare(*packed, idx.cu, chunk_offsets=idx.chunk_offsets, walk_operands=False)
+        x = hopper.prepare(*packed, idx.cu, chunk_offsets=idx.chunk_offsets)
     else:  # the forward's packed layout and chunk grid are these (the same plan)
         x = hopper.prepare_from_kept(packed[0], packed[1], packed[2], packed[4], kept.inverse, idx.cu,
                                      chunk_offsets=idx.chunk_offsets)

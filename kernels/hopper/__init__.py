@@ -7,11 +7,11 @@ Dispatch contract (flashqla/ops/backends.py):
     chunk_gdn_bwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht, kept=None)
         -> (dq, dk, dv, dg, dbeta, dh0)
 
-Forward, three launches: `wy_inverse` (W, U and the chunk-local cumsum of g, per chunk and v-head),
-`chunk_states` (the serial state walk per sequence, v-head and V tile), `chunk_output` (all chunks at
-once); or `wy_inverse` without W and U, then `fused_fwd` (one walk computing the outputs too). The
-segmented forward (flashqla/cp/segments.py) adds `segment_gates`, the summary walks (`chunk_states` in its GA
-form, from GA, v and beta) and `segment_chain`. Backward (`chunk_gdn_bwd`, backward.py): from the forward's kept GA and gates
+Forward: `wy_inverse` (GA = Gamma o A and the chunk-local cumsum of g, per chunk and v-head), then
+`fused_fwd` (one walk computing the outputs too); or, split (`fused=False`), `chunk_states` (the serial
+state walk per sequence, v-head and V tile) and `chunk_output` (all chunks at once). The segmented forward
+(flashqla/cp/segments.py) adds `segment_gates`, the summary walks (`chunk_states` without per-chunk
+stores) and `segment_chain`. Backward (`chunk_gdn_bwd`, backward.py): from the forward's kept GA and gates
 (`KeptInverse`; `wy_inverse` again when it kept none), `chunk_w` (W, at narrow V tiles), `fused_fwd`'s state walk (the
 state entering every chunk) beside the reverse walk `chunk_dstates`, then `chunk_bwd_local` (every chunk's
 gradients at once) and `gqa_sum`. Intra-card and inter-card CP

@@ -84,9 +84,9 @@ def backward_of(x: ChunkedCall, q, k, v, g, beta, do, scale, h0, dht):
     (`output_gradient`) with the output scale, their initial states h0 and the gradients dht of their
     final states (fp32 [N, Hv, 128, 128] or None): (dq, dk, dv, dg, dbeta) shaped and typed like q, k, v,
     g, beta, and dS0 fp32 [N, Hv, 128, 128].
-    Releases x's W (and U) once the two walks have read them (`ChunkedCall.release_walk_operands`), and
-    the per-chunk states before the sums: T x Hv x 256 bytes (or 512) less held at the chunk-local kernel,
-    another T x Hv x 1 KB (h and dh) less at the sums."""
+    Releases x's W once the two walks have read it (`ChunkedCall.release_w`), and the per-chunk states
+    before the sums: T x Hv x 256 bytes less held at the chunk-local kernel (where a narrow reverse walk
+    read W), another T x Hv x 1 KB (h and dh) less at the sums."""
     B, T, Hqk, D = q.shape
     Hv = v.shape[2]
     device = q.device
@@ -103,7 +103,7 @@ def backward_of(x: ChunkedCall, q, k, v, g, beta, do, scale, h0, dht):
         (dh, dS0), h = side_by_side(device, reverse_walk, forward_walk)
     else:
         (dh, dS0), h = reverse_walk(), forward_walk()
-    x.release_walk_operands()  # the chunk-local kernel reads neither W nor U
+    x.release_w()  # the chunk-local kernel does not read W
     # per v-head in the input dtype: half the bytes of fp32 written here and read by the GQA sums (and
     # T x Hv x 512 bytes less memory at the peak); the sums accumulate in fp32 and round once more
     dq, dk = (torch.empty(B * T, Hv, D, dtype=do.dtype, device=device) for _ in range(2))
@@ -132,7 +132,7 @@ def chunk_gdn_bwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht, k
     recompute it; chunk_offsets as in chunk_gdn_fwd. dh0 is None without an initial state.
     """
     if kept is None:
-        x = prepare(q, k, v, g, beta, cu_seqlens, chunk_offsets, walk_operands=False)
+        x = prepare(q, k, v, g, beta, cu_seqlens, chunk_offsets)
     else:
         x = prepare_from_kept(q, k, v, beta, kept, cu_seqlens, chunk_offsets)
     *grads, dS0 = backward_of(x, q, k, v, g, beta, output_gradient(x, do), scale, initial_state, dht)
@@ -142,6 +142,6 @@ def chunk_gdn_bwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht, k
 def entering_state_gradients(q, k, v, g, beta, scale, cu_seqlens, do):
     """dS0 of every sequence when the gradients of their final states are zero: the reverse walk alone
     (no state recompute, no chunk-local gradients); fp32 [N, Hv, 128, 128]. Inter-card CP's D_p. The walk
-    reads W alone (formed in the walk, or by chunk_w from the forward build's GA at narrower V tiles): no U."""
-    x = prepare(q, k, v, g, beta, cu_seqlens, walk_operands=False)
+    reads W alone (formed in the walk, or by chunk_w from GA at narrower V tiles)."""
+    x = prepare(q, k, v, g, beta, cu_seqlens)
     return state_gradients(x, output_gradient(x, do), scale, None, store_dh=False)[1]

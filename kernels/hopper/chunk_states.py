@@ -1,50 +1,43 @@
-"""State walk: the only serial part of the GDN forward, with the WY products taken off the chain.
+"""State walk: the serial part of the split GDN forward and of intra-card CP's summaries.
 
-With W = diag(gamma) A diag(beta) K and U = (Gamma o A) diag(beta) V precomputed per chunk by
-`wy_inverse` (design doc §2, docs/algorithm.md W1-W2), one chunk of the recurrence is two GEMMs:
+One chunk of the recurrence from the forward's GA = Gamma o A and beta (`wy_inverse`, design doc §2;
+W = GA diag(beta gamma) K and U = GA diag(beta) V are never formed), the identity the fused forward uses:
 
-    V' = U - W S                                   (V' = "V new" of the reference)
+    V' = GA diag(beta) (V - diag(gamma) K S)       (V' = "V new" of the reference)
     S  = gamma_last S + K^T diag(gamma_last / gamma) V'
 
-One CTA per (V tile, sequence, v-head) walks the chunks of its sequence with S [128 x block_v] in fp32
-fragments and writes, per chunk, the state entering it (`h`, in the input dtype, at the chunk's global
-index `chunk_offsets[n] + c`) and V' (token layout). `chunk_output` then computes O for all chunks in
-parallel.
+three products on the chain (K S, GA Vd, the update). One CTA per (V tile, sequence, v-head) walks the
+chunks of its sequence with S [128 x block_v] in fp32 fragments and writes, per chunk, the state entering
+it (`h`, in the input dtype, at the chunk's global index `chunk_offsets[n] + c`) and V' (token layout).
+`chunk_output` then computes O for all chunks in parallel.
 
 Runtime flags make the same kernel the state-only summary of intra-card CP (design doc §3, §5):
 `store_chunks = 0` writes only the final state (S* of a segment from S0 = 0), and `with_transition = 1`
-doubles the grid's V tiles: the second half walks U = 0 from S0 = I and ends at the segment's transition
-product M (S_end = M S0 + S*), stored in `mt`. The columns of S evolve independently (V' = U - W S and
-the update act column by column), so S* and M are one walk of [U | 0] from [S0 | I], run as separate
-CTAs. `active[kind, n, h]` (with `use_active`) skips the walks nobody reads (0: a skipped walk stores
-zeros) and says where the others start: a walk with active = a >= 1 starts from S0 at chunk a - 1 of
-its sequence, skipping the chunks before it (intra-card CP's warmup restart, design doc §4: the state
-leaving a segment from its last few chunks only, where the gates decay enough over them; summaries only,
-store_chunks = 0).
+doubles the grid's V tiles: the second half walks V = 0 from S0 = I and ends at the segment's transition
+product M (S_end = M S0 + S*), stored in `mt`. The columns of S evolve independently (V' and the update
+act column by column), so S* and M are one walk of [V | 0] from [S0 | I], run as separate CTAs.
+`active[kind, n, h]` (with `use_active`) skips the walks nobody reads (0: a skipped walk stores zeros) and
+says where the others start: a walk with active = a >= 1 starts from S0 at chunk a - 1 of its sequence,
+skipping the chunks before it (intra-card CP's warmup restart, design doc §4: the state leaving a segment
+from its last few chunks only, where the gates decay enough over them; summaries only, store_chunks = 0).
 
-GA form (`ga_form`, the build intra-card CP's summaries use when the forward computed no W and U): the
-walk reads the forward's GA = Gamma o A and beta instead, and forms V' from the same identity the fused
-forward uses (W = GA diag(beta gamma) K, U = GA diag(beta) V):
+Reading GA rather than W and U formed by a separate launch: H200, 2026-12-03, public op forward in CUDA
+graphs, the launch forming W and U + a walk reading them against this: TP8 32K 0.310 -> 0.304 ms (the walk
+48 -> 76 us, the 37 us launch and 2 x 256 bytes per token and v-head written and read again gone), TP8
+16K 0.197 -> 0.189, 27B TP2 0.794 -> 0.734, but TP4 32K 0.517 -> 0.524 (64-chunk segments: the longer
+chain per step costs more there than the launch did). Scaling GA's columns by beta in place instead, to
+take a multiply off the chain, was slower (TP8 32K 0.314, h32 1.04 against 0.94): an elementwise pass over
+a 64 x 64 tile costs more than the multiply. The W/U build was dropped on 2026-12-04 (docs/kernels.md,
+"Twenty-eighth session").
 
-    V' = GA diag(beta) (V - diag(gamma) K S)
-
-three products on the chain (K S, GA Vd, the update) instead of two, but no W and U computed for the
-walks (they were a separate launch from GA behind the fused forward's `wy_inverse`) and no W, U tensors
-written and read again (2 x 256 bytes per token and v-head); the transition walks take V = 0. H200,
-2026-12-03, public op forward in CUDA graphs, the previous launch + W/U walk against this: TP8 32K 0.310 ->
-0.304 ms (the walk 48 -> 76 us, the 37 us launch gone), TP8 16K 0.197 -> 0.189, 27B TP2 0.794 -> 0.734, but
-TP4 32K 0.517 -> 0.524 (64-chunk segments: the longer chain per step costs more there than the launch did).
-Scaling GA's columns by beta in place instead, to take a multiply off the chain, was slower (TP8 32K
-0.314, h32 1.04 against 0.94): an elementwise pass over a 64 x 64 tile costs more than the multiply.
-
-Rows past the end of a sequence: K rows are zeroed after they land (beta too in the GA form), and so are
-the V' rows that enter the update (the W, U and GA rows there are the next sequence's, or never written),
-so neither can touch S; gate rows repeat the last valid one (gamma_last is the gate at the last token, no
-exp2 argument is positive), and the V' rows they produce are not stored.
+Rows past the end of a sequence: K rows and beta are zeroed after they land (the GA and V rows there are
+the next sequence's, or never written), and so are the V' rows that enter the update, so neither can touch
+S; gate rows repeat the last valid one (gamma_last is the gate at the last token, no exp2 argument is
+positive), and the V' rows they produce are not stored.
 
 Loads are double buffered with cp.async (chunk c + 1 lands while chunk c computes); 128 threads for
-block_v <= 64 (one warpgroup), 256 for block_v = 128. The two products are asynchronous WGMMA: the
-decay of S is applied while W S runs, and V' is stored while the state update runs.
+block_v <= 64 (one warpgroup), 256 for block_v = 128. The products are asynchronous WGMMA: the decay of S
+is applied while K S runs, and V' is stored while the state update runs.
 """
 import tilelang.language as T
 
@@ -57,16 +50,8 @@ def threads_for(block_v: int) -> int:
     return 128 if block_v <= 64 else 256
 
 
-@T.macro
-def summary_walk_start(a, skipped_start):
-    """The chunk (within its sequence) where a summary walk whose `active` entry is `a` starts: a - 1 for
-    a >= 1, `skipped_start` for a skipped walk (a = 0)."""
-    return T.if_then_else(a >= 1, a - 1, skipped_start)
-
-
-def build_chunk_states(dtype: str, block_v: int, ga_form: bool = False):
-    """The prim_func for q/k/v dtype `dtype` and V tile width `block_v`; all sizes are dynamic. ga_form: read
-    v, GA and beta (w and u are stand-ins), else w and u (v, GA and beta are)."""
+def build_chunk_states(dtype: str, block_v: int):
+    """The prim_func for q/k/v dtype `dtype` and V tile width `block_v`; all sizes are dynamic."""
     if HEAD_DIM % block_v:
         raise ValueError(f"block_v must divide {HEAD_DIM}, got {block_v}")
     num_tokens = T.dynamic("num_tokens")
@@ -80,41 +65,34 @@ def build_chunk_states(dtype: str, block_v: int, ga_form: bool = False):
     num_active = T.dynamic("num_active")
     C, D, BV = CHUNK, HEAD_DIM, block_v
     threads = threads_for(BV)
-    loads = 5 if ga_form else 4  # commit groups per chunk (load_chunk)
+    loads = 5  # commit groups per chunk (load_chunk)
 
     @T.macro
-    def load_chunk(k, v, GA, beta, w, u, gcum, t0, hk, h, v0, K_s, W_s, U_s, b_s, graw_s):
-        """cp.async the chunk starting at token t0 into one stage (`loads` commit groups): W_s holds GA, U_s
-        the V tile and b_s beta in the GA form."""
+    def load_chunk(k, v, GA, beta, gcum, t0, hk, h, v0, K_s, GA_s, V_s, b_s, graw_s):
+        """cp.async the chunk starting at token t0 into one stage (`loads` commit groups)."""
         T.async_copy(k[t0:t0 + C, hk, 0:D], K_s)
-        if ga_form:
-            T.async_copy(GA[t0:t0 + C, h, 0:C], W_s)
-            T.async_copy(v[t0:t0 + C, h, v0:v0 + BV], U_s)
-            T.async_copy(beta[t0:t0 + C, h], b_s)
-        else:
-            T.async_copy(w[t0:t0 + C, h, 0:D], W_s)
-            T.async_copy(u[t0:t0 + C, h, v0:v0 + BV], U_s)
+        T.async_copy(GA[t0:t0 + C, h, 0:C], GA_s)
+        T.async_copy(v[t0:t0 + C, h, v0:v0 + BV], V_s)
+        T.async_copy(beta[t0:t0 + C, h], b_s)
         T.async_copy(gcum[h, t0:t0 + C], graw_s)
 
     @T.macro
-    def chunk_step(h_out, vnew, t0, n_rows, chunk_index, h, v0, store_chunks, use_u, K_s, W_s, U_s, b_s, graw_s, gc_sh,
+    def chunk_step(h_out, vnew, t0, n_rows, chunk_index, h, v0, store_chunks, use_v, K_s, GA_s, V_s, b_s, graw_s, gc_sh,
                    bg_sh, gam_sh, S_sh, Vd_sh, Vs_sh, S, Vn, tail, decay):
-        """One chunk of the walk; use_u = 0 walks U = 0 (the transition product's columns; V = 0 in the GA
-        form)."""
+        """One chunk of the walk; use_v = 0 walks V = 0 (the transition product's columns)."""
         if n_rows < C:
             for r, d in T.Parallel(C, D):
                 if r >= n_rows:
                     K_s[r, d] = T.cast(0, dtype)
-        for r in T.Parallel(C):
+        for r in T.Parallel(C):  # beta of the rows that exist (0 past the end: V there is the next sequence's)
             gc_sh[r] = graw_s[T.min(r, n_rows - 1)] * LOG2E
-            if ga_form:  # beta of the rows that exist (0 past the end: V there is the next sequence's), gamma
-                bg_sh[r] = T.if_then_else(r < n_rows, b_s[T.min(r, n_rows - 1)], 0.0)
-                gam_sh[r] = T.exp2(graw_s[T.min(r, n_rows - 1)] * LOG2E)
+            bg_sh[r] = T.if_then_else(r < n_rows, b_s[T.min(r, n_rows - 1)], 0.0)
+            gam_sh[r] = T.exp2(graw_s[T.min(r, n_rows - 1)] * LOG2E)
         if store_chunks != 0:
             T.copy(S_sh, h_out[chunk_index, h, 0:D, v0:v0 + BV])
 
-        # V' = U - W S, or K S first in the GA form (asynchronous WGMMA: gamma_last S is formed while it runs)
-        T.wgmma_gemm(K_s if ga_form else W_s, S_sh, Vn, clear_accum=True)
+        # K S first (asynchronous WGMMA: gamma_last S is formed while it runs)
+        T.wgmma_gemm(K_s, S_sh, Vn, clear_accum=True)
         for r in T.Parallel(C):
             tail[r] = T.exp2(gc_sh[C - 1] - gc_sh[r])
         decay = T.exp2(gc_sh[C - 1])
@@ -122,27 +100,20 @@ def build_chunk_states(dtype: str, block_v: int, ga_form: bool = False):
             S[i, j] = S[i, j] * decay
         T.wait_wgmma(0)
         T.warpgroup_fence_operand(Vn, num_regs=C * BV // threads)
-        if ga_form:
-            # Vd = diag(beta) (V - diag(gamma) K S), then V' = GA Vd
-            if use_u != 0:
-                for r, j in T.Parallel(C, BV):
-                    Vd_sh[r, j] = T.cast(bg_sh[r] * (U_s[r, j] - gam_sh[r] * Vn[r, j]), dtype)
-            else:
-                for r, j in T.Parallel(C, BV):
-                    Vd_sh[r, j] = T.cast(-bg_sh[r] * gam_sh[r] * Vn[r, j], dtype)
-            T.fence_proxy_async()
-            T.sync_threads()
-            T.wgmma_gemm(W_s, Vd_sh, Vn, clear_accum=True)
-            T.wait_wgmma(0)
-            T.warpgroup_fence_operand(Vn, num_regs=C * BV // threads)
-        elif use_u != 0:
+        # Vd = diag(beta) (V - diag(gamma) K S), then V' = GA Vd
+        if use_v != 0:
             for r, j in T.Parallel(C, BV):
-                Vn[r, j] = U_s[r, j] - Vn[r, j]
+                Vd_sh[r, j] = T.cast(bg_sh[r] * (V_s[r, j] - gam_sh[r] * Vn[r, j]), dtype)
         else:
             for r, j in T.Parallel(C, BV):
-                Vn[r, j] = -Vn[r, j]
-        # rows past the sequence end are zero: the W, U or GA bytes there are the next sequence's, or never
-        # written (NaN in the GPU tests), and 0 x NaN in K^T V' would be NaN
+                Vd_sh[r, j] = T.cast(-bg_sh[r] * gam_sh[r] * Vn[r, j], dtype)
+        T.fence_proxy_async()
+        T.sync_threads()
+        T.wgmma_gemm(GA_s, Vd_sh, Vn, clear_accum=True)
+        T.wait_wgmma(0)
+        T.warpgroup_fence_operand(Vn, num_regs=C * BV // threads)
+        # rows past the sequence end are zero: the GA bytes there are the next sequence's, or never written
+        # (NaN in the GPU tests), and 0 x NaN in K^T V' would be NaN
         for r, j in T.Parallel(C, BV):
             Vs_sh[r, j] = T.if_then_else(r < n_rows, Vn[r, j] * tail[r], 0.0)
         T.sync_threads()
@@ -163,8 +134,6 @@ def build_chunk_states(dtype: str, block_v: int, ga_form: bool = False):
         v: T.Tensor((num_tokens, num_v_heads, D), dtype),
         GA: T.Tensor((num_tokens, num_v_heads, C), dtype),
         beta: T.Tensor((num_tokens, num_v_heads), "float32"),
-        w: T.Tensor((num_tokens, num_v_heads, D), dtype),
-        u: T.Tensor((num_tokens, num_v_heads, D), dtype),
         gcum: T.Tensor((num_v_heads, num_tokens), "float32"),
         cu_seqlens: T.Tensor((num_seqs + 1,), "int32"),
         chunk_offsets: T.Tensor((num_seqs + 1,), "int32"),
@@ -187,8 +156,8 @@ def build_chunk_states(dtype: str, block_v: int, ga_form: bool = False):
             hk = h // (num_v_heads // num_qk_heads)
             bos = cu_seqlens[n]
             eos = cu_seqlens[n + 1]
-            # tiles [0, D / BV) walk U from S0 (-> S*, or the states); tiles [D / BV, 2 D / BV) walk 0 from I (-> M)
-            walks_u = T.if_then_else(bv < D // BV, 1, 0)
+            # tiles [0, D / BV) walk V from S0 (-> S*, or the states); tiles [D / BV, 2 D / BV) walk 0 from I (-> M)
+            walks_v = T.if_then_else(bv < D // BV, 1, 0)
             v0 = (bv % (D // BV)) * BV
             state_row = n * num_v_heads + h
             num_chunks = T.alloc_var("int32")
@@ -200,26 +169,26 @@ def build_chunk_states(dtype: str, block_v: int, ga_form: bool = False):
             if use_active != 0:
                 walk_active = active[((bv // (D // BV)) * num_seqs + n) * num_v_heads + h]
                 skipped = T.if_then_else(walk_active >= 1, 0, 1)
-                first_chunk = T.min(summary_walk_start(walk_active, num_chunks), num_chunks)
+                # a >= 1 starts at chunk a - 1; a skipped walk (a = 0) starts past the end
+                first_chunk = T.min(T.if_then_else(walk_active >= 1, walk_active - 1, num_chunks), num_chunks)
 
             K0, K1 = T.alloc_shared((C, D), dtype), T.alloc_shared((C, D), dtype)
-            # per stage: W and U, or GA, the V tile and beta in the GA form
-            W0, W1 = (T.alloc_shared((C, C if ga_form else D), dtype) for _ in range(2))
-            U0, U1 = T.alloc_shared((C, BV), dtype), T.alloc_shared((C, BV), dtype)
+            GA0, GA1 = T.alloc_shared((C, C), dtype), T.alloc_shared((C, C), dtype)
+            V0, V1 = T.alloc_shared((C, BV), dtype), T.alloc_shared((C, BV), dtype)
             b0, b1 = T.alloc_shared((C,), "float32"), T.alloc_shared((C,), "float32")
             graw0, graw1 = T.alloc_shared((C,), "float32"), T.alloc_shared((C,), "float32")
             gc_sh = T.alloc_shared((C,), "float32")
-            bg_sh = T.alloc_shared((C,), "float32")  # beta (GA form)
-            gam_sh = T.alloc_shared((C,), "float32")  # gamma (GA form)
+            bg_sh = T.alloc_shared((C,), "float32")  # beta
+            gam_sh = T.alloc_shared((C,), "float32")  # gamma
             S_sh = T.alloc_shared((D, BV), dtype)
-            Vd_sh = T.alloc_shared((C, BV), dtype)  # diag(beta) (V - diag(gamma) K S) (GA form)
+            Vd_sh = T.alloc_shared((C, BV), dtype)  # diag(beta) (V - diag(gamma) K S)
             Vs_sh = T.alloc_shared((C, BV), dtype)
             S = T.alloc_fragment((D, BV), "float32")
             Vn = T.alloc_fragment((C, BV), "float32")
             tail = T.alloc_fragment((C,), "float32")  # gamma_last / gamma of each row
             decay = T.alloc_var("float32")  # gamma_last
 
-            if walks_u == 0:
+            if walks_v == 0:
                 for i, j in T.Parallel(D, BV):
                     S[i, j] = T.if_then_else(i == v0 + j, 1.0, 0.0)
             elif use_h0 != 0:
@@ -230,7 +199,7 @@ def build_chunk_states(dtype: str, block_v: int, ga_form: bool = False):
                 T.clear(S)
             T.copy(S, S_sh)
             if first_chunk < num_chunks:
-                load_chunk(k, v, GA, beta, w, u, gcum, bos + first_chunk * C, hk, h, v0, K0, W0, U0, b0, graw0)
+                load_chunk(k, v, GA, beta, gcum, bos + first_chunk * C, hk, h, v0, K0, GA0, V0, b0, graw0)
 
             for i in T.serial(num_chunks - first_chunk):  # i counts the walk's chunks: its parity picks the stage
                 c = first_chunk + i
@@ -239,26 +208,26 @@ def build_chunk_states(dtype: str, block_v: int, ga_form: bool = False):
                 chunk_index = chunk_offsets[n] + c
                 if i % 2 == 0:
                     if c + 1 < num_chunks:
-                        load_chunk(k, v, GA, beta, w, u, gcum, t0 + C, hk, h, v0, K1, W1, U1, b1, graw1)
+                        load_chunk(k, v, GA, beta, gcum, t0 + C, hk, h, v0, K1, GA1, V1, b1, graw1)
                         T.ptx_wait_group(loads)
                     else:
                         T.ptx_wait_group(0)
                     T.sync_threads()
-                    chunk_step(h_out, vnew, t0, n_rows, chunk_index, h, v0, store_chunks, walks_u, K0, W0, U0, b0, graw0, gc_sh, bg_sh,
-                               gam_sh, S_sh, Vd_sh, Vs_sh, S, Vn, tail, decay)
+                    chunk_step(h_out, vnew, t0, n_rows, chunk_index, h, v0, store_chunks, walks_v, K0, GA0, V0, b0, graw0, gc_sh,
+                               bg_sh, gam_sh, S_sh, Vd_sh, Vs_sh, S, Vn, tail, decay)
                 else:
                     if c + 1 < num_chunks:
-                        load_chunk(k, v, GA, beta, w, u, gcum, t0 + C, hk, h, v0, K0, W0, U0, b0, graw0)
+                        load_chunk(k, v, GA, beta, gcum, t0 + C, hk, h, v0, K0, GA0, V0, b0, graw0)
                         T.ptx_wait_group(loads)
                     else:
                         T.ptx_wait_group(0)
                     T.sync_threads()
-                    chunk_step(h_out, vnew, t0, n_rows, chunk_index, h, v0, store_chunks, walks_u, K1, W1, U1, b1, graw1, gc_sh, bg_sh,
-                               gam_sh, S_sh, Vd_sh, Vs_sh, S, Vn, tail, decay)
+                    chunk_step(h_out, vnew, t0, n_rows, chunk_index, h, v0, store_chunks, walks_v, K1, GA1, V1, b1, graw1, gc_sh,
+                               bg_sh, gam_sh, S_sh, Vd_sh, Vs_sh, S, Vn, tail, decay)
                 T.sync_threads()  # the stage just used is refilled by the next iteration's loads
 
             if store_ht != 0:
-                if walks_u != 0:
+                if walks_v != 0:
                     T.copy(S, ht[state_row, 0:D, v0:v0 + BV])
                 else:
                     T.copy(S, mt[state_row, 0:D, v0:v0 + BV])

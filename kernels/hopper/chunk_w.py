@@ -5,8 +5,8 @@ reverse walk at V tiles below 128 (`chunk_dstates` forms W itself at 128; launch
 
 a 64 x 64 x 128 product on tensor cores with fp32 accumulation (K scaled by row and rounded to the input
 dtype first). gamma_s = exp(gcum_s) and Gamma_rs are each >= gamma_r (gates <= 0), so neither factor
-underflows where the row W_r it builds is representable. The forward no longer needs W or its partner U:
-its summary walks read GA, v and beta (chunk_states.py's GA form).
+underflows where the row W_r it builds is representable. The forward does not need W: its walks read GA,
+v and beta.
 
 One CTA per (chunk slot, v-head), 128 threads; rows past the end of a sequence are never written.
 """

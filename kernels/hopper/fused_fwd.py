@@ -14,7 +14,7 @@ only, so the walk splits by columns without any exchange between the halves.
 With the runtime flag `store_states` the kernel is the backward's state recompute instead: no O (Q is not
 loaded, the chain hands no V' over), and the output warpgroup stores the state entering every chunk (input
 dtype, from the chain's S_sh) at its chunk slot `chunk_offsets[n] + c` of `h_out`, what chunk_states.py
-stores from W and U, here from GA and beta alone.
+stores too.
 
 Roles (512 threads, four warpgroups; `T.set_max_nreg` moves registers from the producer to the others):
   | warpgroup | holds                               | per chunk                                          |

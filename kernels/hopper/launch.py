@@ -57,10 +57,10 @@ def compile_from(module: str, builder: str, label: str, *args):
 
 
 @functools.lru_cache(maxsize=None)
-def compiled_wy_inverse(dtype: str, with_wu: bool):
-    """The compiled wy_inverse kernel for `dtype`, storing W and U or not (the forward's build, which needs
-    less shared memory and fewer registers): prebuilt, from TileLang's disk cache, or JIT (kernels/cache.py)."""
-    return compile_from("wy_inverse", "build_wy_inverse", f"wy_inverse({dtype}, with_wu={with_wu})", dtype, with_wu)
+def compiled_wy_inverse(dtype: str):
+    """The compiled wy_inverse kernel for `dtype` (GA and gcum): prebuilt, from TileLang's disk cache, or JIT
+    (kernels/cache.py)."""
+    return compile_from("wy_inverse", "build_wy_inverse", f"wy_inverse({dtype})", dtype)
 
 
 @functools.lru_cache(maxsize=None)
@@ -76,11 +76,10 @@ def compiled_fused_fwd(dtype: str, block_v: int):
 
 
 @functools.lru_cache(maxsize=None)
-def compiled_chunk_states(dtype: str, block_v: int, ga_form: bool = False):
-    """The compiled state walk (chunk_states.py) for `dtype` and V tile width `block_v`; ga_form: the build
-    that reads GA, v and beta instead of W and U (intra-card CP's summaries)."""
-    label = f"chunk_states({dtype}, block_v={block_v}{', ga_form' if ga_form else ''})"
-    return compile_from("chunk_states", "build_chunk_states", label, dtype, block_v, ga_form)
+def compiled_chunk_states(dtype: str, block_v: int):
+    """The compiled state walk (chunk_states.py) for `dtype` and V tile width `block_v`."""
+    return compile_from("chunk_states", "build_chunk_states", f"chunk_states({dtype}, block_v={block_v})", dtype,
+                        block_v)
 
 
 @functools.lru_cache(maxsize=None)
@@ -134,8 +133,7 @@ def kernel_configs(dtypes=KERNEL_DTYPES):
     configuration; `flashqla precompile` relies on this list alone.
     """
     for dtype in dtypes:
-        yield compiled_wy_inverse, (dtype, True)
-        yield compiled_wy_inverse, (dtype, False)
+        yield compiled_wy_inverse, (dtype,)
         yield compiled_chunk_w, (dtype,)
         yield compiled_chunk_output, (dtype,)
         yield compiled_chunk_bwd_local, (dtype,)
@@ -143,7 +141,6 @@ def kernel_configs(dtypes=KERNEL_DTYPES):
         for block_v in BLOCK_V_CHOICES:
             yield compiled_fused_fwd, (dtype, block_v)
             yield compiled_chunk_states, (dtype, block_v)
-            yield compiled_chunk_states, (dtype, block_v, True)
             yield compiled_chunk_dstates, (dtype, block_v)
     for block_v in CHAIN_BLOCK_V_CHOICES:
         yield compiled_segment_chain, (block_v,)
@@ -210,14 +207,14 @@ class ChunkedCall:
     k: torch.Tensor
     v: torch.Tensor  # [T, Hv, 128]
     beta: torch.Tensor  # [T, Hv] fp32
-    w: torch.Tensor | None  # [T, Hv, 128]  W = diag(gamma) A diag(beta) K (None without walk operands)
-    u: torch.Tensor | None  # [T, Hv, 128]  U = (Gamma o A) diag(beta) V (likewise)
     GA: torch.Tensor  # [T, Hv, 64]  Gamma o A = (I + StrictLower(diag(beta) K K^T))^{-1} with its gate mask
     gcum: torch.Tensor  # [Hv, T] fp32 chunk-local cumulative gate (natural log)
     cu: torch.Tensor  # int32 [N + 1]
     offsets: torch.Tensor  # int32 [N + 1] first chunk slot of every sequence
     chunk_slots: int  # upper bound on the number of chunks
     dtype: str
+    # [T, Hv, 128]  W = diag(gamma) A diag(beta) K, set by the backward for its narrow reverse walks
+    w: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -227,11 +224,11 @@ class ChunkedCall:
     def num_v_heads(self) -> int:
         return self.gcum.shape[0]
 
-    def release_walk_operands(self) -> None:
-        """Drops W and U (2 x T x Hv x 128 in the input dtype), which only the state walks read, so a
-        caller done with the walks does not hold them through what follows (the backward's chunk-local
-        kernel and its sums)."""
-        self.w = self.u = None
+    def release_w(self) -> None:
+        """Drops W (T x Hv x 128 in the input dtype), which only the reverse walks read, so a caller done
+        with the walks does not hold it through what follows (the backward's chunk-local kernel and its
+        sums)."""
+        self.w = None
 
     def kept(self) -> KeptInverse:
         """The inverse this call's backward can start from (`prepare_from_kept`)."""
@@ -258,15 +255,12 @@ def _flat(q, k, v, beta):
             beta.view(B * T, Hv).float())
 
 
-def prepare(q, k, v, g, beta, cu_seqlens, chunk_offsets=None, walk_operands: bool = True) -> ChunkedCall:
-    """wy_inverse over every chunk of q, k [B, T, Hqk, 128], v [B, T, Hv, 128], g, beta [B, T, Hv].
+def prepare(q, k, v, g, beta, cu_seqlens, chunk_offsets=None) -> ChunkedCall:
+    """wy_inverse over every chunk of q, k [B, T, Hqk, 128], v [B, T, Hv, 128], g, beta [B, T, Hv]: GA and
+    gcum, all that the walks read besides the inputs.
 
     chunk_offsets: `chunk_offsets_of(cu_seqlens)` when the caller keeps it (a fixed layout), else computed
-    here. walk_operands: also compute W and U, which only chunk_states' walks read; the fused forward (and
-    the backward's state recompute) reads GA, beta and gcum alone, and without them the kernel skips the V
-    load, two products and 2 x T x Hv x 256 bytes of stores (H200: docs/kernels.md, "Eleventh session")
-    and is built with less shared memory and fewer registers. `summaries` of a call without them computes
-    W and U for the chunks its walks read."""
+    here."""
     B, T, _, _ = q.shape
     Hv = v.shape[2]
     device = q.device
@@ -274,22 +268,15 @@ def prepare(q, k, v, g, beta, cu_seqlens, chunk_offsets=None, walk_operands: boo
     q3, k3, v3, beta2 = _flat(q, k, v, beta)
     GA = torch.empty(B * T, Hv, CHUNK, dtype=q.dtype, device=device)
     gcum = torch.empty(Hv, B * T, dtype=torch.float32, device=device)
-    if walk_operands:
-        w, u = (torch.empty(B * T, Hv, HEAD_DIM, dtype=q.dtype, device=device) for _ in range(2))
-    else:
-        w = u = None
-    # without walk operands v stands in for the W and U arguments (same shape; that build touches none)
-    compiled_wy_inverse(_TORCH_TO_TL[q.dtype], walk_operands)(
-        k3, beta2, g.view(B * T, Hv), cu, offsets, v3, GA, gcum, v3 if w is None else w, v3 if u is None else u,
-        chunk_slots, (cu.numel() - 1).bit_length())
-    return ChunkedCall(q3, k3, v3, beta2, w, u, GA, gcum, cu, offsets, chunk_slots, _TORCH_TO_TL[q.dtype])
+    compiled_wy_inverse(_TORCH_TO_TL[q.dtype])(k3, beta2, g.view(B * T, Hv), cu, offsets, GA, gcum, chunk_slots,
+                                               (cu.numel() - 1).bit_length())
+    return ChunkedCall(q3, k3, v3, beta2, GA, gcum, cu, offsets, chunk_slots, _TORCH_TO_TL[q.dtype])
 
 
 def prepare_from_kept(q, k, v, beta, kept: KeptInverse, cu_seqlens, chunk_offsets=None) -> ChunkedCall:
-    """What `prepare(..., walk_operands=False)` returns, from the forward's kept inverse: no kernel runs."""
+    """What `prepare` returns, from the forward's kept inverse: no kernel runs."""
     cu, offsets, chunk_slots = _layout(q, cu_seqlens, chunk_offsets)
-    return ChunkedCall(*_flat(q, k, v, beta), None, None, kept.GA, kept.gcum, cu, offsets, chunk_slots,
-                       _TORCH_TO_TL[q.dtype])
+    return ChunkedCall(*_flat(q, k, v, beta), kept.GA, kept.gcum, cu, offsets, chunk_slots, _TORCH_TO_TL[q.dtype])
 
 
 def block_v_on(device: torch.device, num_seqs: int, num_v_heads: int) -> int:
@@ -310,10 +297,8 @@ def _state_buffers(x: ChunkedCall, h0, store_final: bool):
 def _launch_walk(x: ChunkedCall, h0, store_chunks: bool, store_final: bool, with_transition: bool = False,
                  active=None):
     """chunk_states over every sequence of `x` from h0 (fp32 [N, Hv, 128, 128] or None = zeros): (h | None,
-    V' | None, final states | None, transition products | None); the flags are the kernel's. Without U
-    in `x` (prepared without walk operands) the walk is the GA-form build."""
+    V' | None, final states | None, transition products | None); the flags are the kernel's."""
     N, Hv, device = x.num_seqs, x.num_v_heads, x.q.device
-    ga_form = x.u is None  # the backward's reverse walk may have added W alone
     h0_arg, ht, ht_arg = _state_buffers(x, h0, store_final)
     mt = torch.empty(N, Hv, HEAD_DIM, HEAD_DIM, dtype=torch.float32, device=device) if with_transition else None
     slots = x.chunk_slots if store_chunks else 1
@@ -328,10 +313,8 @@ def _launch_walk(x: ChunkedCall, h0, store_chunks: bool, store_final: bool, with
         block_v = block_v_on(device, num_walks, Hv)
     else:
         block_v = summary_block_v(num_walks * Hv, _sm_count_on(device))
-    # the build that does not read them takes v as its stand-in for W and U
-    compiled_chunk_states(x.dtype, block_v, ga_form)(
-        x.k, x.v, x.GA, x.beta, x.v if ga_form else x.w, x.v if ga_form else x.u, x.gcum, x.cu, x.offsets, h0_arg,
-        h, vnew, ht_arg, ht_arg if mt is None else mt.view(N * Hv, HEAD_DIM, HEAD_DIM), active_arg,
+    compiled_chunk_states(x.dtype, block_v)(
+        x.k, x.v, x.GA, x.beta, x.gcum, x.cu, x.offsets, h0_arg, h, vnew, ht_arg, ht_arg if mt is None else mt.view(N * Hv, HEAD_DIM, HEAD_DIM), active_arg,
         int(h0 is not None), int(store_final), int(store_chunks), int(with_transition), int(active is not None))
     return (h if store_chunks else None, vnew if store_chunks else None, ht, mt)
 
@@ -346,13 +329,10 @@ def walk(x: ChunkedCall, h0=None, *, store_final=True):
 
 def summaries(x: ChunkedCall, with_transition: bool, active=None):
     """(S*, M or None) of every sequence of `x`, fp32 [N, Hv, 128, 128], from one state-only walk: S* from
-    the zero state and, with_transition, the transition product M (the walk of U = 0 from S0 = I; S_end =
+    the zero state and, with_transition, the transition product M (the walk of V = 0 from S0 = I; S_end =
     M S_start + S*, design doc §3) in the same launch. active: int or bool [2, N, Hv] or None (all): which
     S* (0) and M (1) to compute (0: none, zeros come back) and from which chunk: a walk with active = a
-    starts at chunk a - 1 of its sequence (1 or True: the whole sequence; more: a warmup restart).
-
-    When `x` was prepared without walk operands (a segmented forward whose last walk is fused), the walks
-    read GA, v and beta (chunk_states.py's GA form) instead of W and U."""
+    starts at chunk a - 1 of its sequence (1 or True: the whole sequence; more: a warmup restart)."""
     _, _, S_star, M = _launch_walk(x, None, store_chunks=False, store_final=True, with_transition=with_transition,
                                    active=active)
     return S_star, M
@@ -422,15 +402,16 @@ def chunk_gdn_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu
     gates: nothing more is computed or stored).
 
     Fused (the default): wy_inverse, then fused_fwd (one walk computing the outputs too). fused=False runs
-    the split decomposition instead, wy_inverse (W, U, gcum per chunk), chunk_states (the serial walk),
-    chunk_output (every chunk at once): the reference decomposition the tests and the benchmark compare.
+    the split decomposition instead, wy_inverse, chunk_states (the serial walk storing every chunk's state
+    and V'), chunk_output (every chunk at once): the reference decomposition the tests and the benchmark
+    compare.
     Since fused_fwd is warp-specialised (H200, 2026-12-01) it is the faster one at every number of walks:
     split / fused at 16K tokens per sequence 1.03x with 1 walk (sequences x v-heads), 1.11x at 2, 1.16x at
     4, 1.27x at 8, 1.45x at 16; more walks favoured it already (docs/benchmarks.md, sixteenth session).
     """
     if not isinstance(fused, bool):  # None once meant "by shape"; it must not quietly mean the split path
         raise TypeError(f"fused must be True or False, got {fused!r}")
-    x = prepare(q, k, v, g, beta, cu_seqlens, chunk_offsets, walk_operands=not fused)
+    x = prepare(q, k, v, g, beta, cu_seqlens, chunk_offsets)
     if fused:
         o, ht = fused_forward(x, v, initial_state, scale, output_final_state)
     else:
@@ -461,7 +442,7 @@ def fused_forward(x: ChunkedCall, v, h0, scale: float, store_final: bool):
 
 def fused_states(x: ChunkedCall, h0):
     """The state entering every chunk of `x` from h0 (fp32 [N, Hv, 128, 128] or None), h [chunk_slots, Hv,
-    128, 128] in the input dtype: fused_fwd's state walk from GA, beta and the gates (no O, no W and U).
+    128, 128] in the input dtype: fused_fwd's state walk from GA, beta and the gates (no O, no V').
     The backward's recompute."""
     h0_arg, _, placeholder = _state_buffers(x, h0, False)
     h = torch.empty(x.chunk_slots, x.num_v_heads, HEAD_DIM, HEAD_DIM, dtype=x.v.dtype, device=x.v.device)

@@ -3,24 +3,20 @@
 For every 64-token chunk of every packed sequence and every v-head h (reading k-head h // (Hv/Hqk)):
 
     A    = (I + StrictLower(diag(beta) K K^T))^{-1}                     [64 x 64]
-    GA   = Gamma o A                                                   [64 x 64], the fused forward's operand
-    W    = diag(gamma) A diag(beta) K                                  [64 x 128]  (docs/algorithm.md W1)
-    U    = (GA diag(beta)) V                                           [64 x 128]  (W2)
+    GA   = Gamma o A                                                   [64 x 64], every walk's operand
     gcum = cumsum_{t <= r} g_t                                         [64], fp32, natural log,
                                                                        stored head-major [Hv, T]
 
-GA, W and U are stored in the input dtype. The lower-triangular decay mask Gamma (exp2 of base-2 gate
-differences, each <= 0) is applied before the one rounding to the input dtype, so the fused walk uses GA
-as it is (beta scales the rows of the V tile it multiplies: V' = GA diag(beta) Vd). GA keeps beta out so
-that the backward can read it as well (chunk_bwd_local.py: every A term there has an exact GA form, and a
-column scaled by beta = 0 could not be undone): a forward whose backward will run keeps GA and gcum, and
-the backward computes no second inverse.
-Built with `with_wu=False` (the forward's build) the kernel stops after GA and gcum: the fused forward
-reads nothing else, so the V load, the two products and the W/U stores (2 x 256 bytes per token and
-v-head) are skipped, `v`, `w`, `u` are never touched, and without that branch K, L and GA share one
-buffer: 32.5 KiB of shared memory and 96 registers (held there for 5 CTAs per SM), where the build with
-W and U needs 48.5 KiB and 123 (4). Behind it the segmented forward's summary walks read GA, v and beta
-(chunk_states.py's GA form) and the backward's narrow reverse walks W from chunk_w.py. The inverse needs no exp; the gates enter only GA, W and U.
+GA is stored in the input dtype. The lower-triangular decay mask Gamma (exp2 of base-2 gate differences,
+each <= 0) is applied before the one rounding to the input dtype, so the walks use GA as it is (beta
+scales the rows of the V tile it multiplies: V' = GA diag(beta) Vd, fused_fwd.py, chunk_states.py). GA
+keeps beta out so that the backward can read it as well (chunk_bwd_local.py: every A term there has an
+exact GA form, and a column scaled by beta = 0 could not be undone): a forward whose backward will run
+keeps GA and gcum, and the backward computes no second inverse. W = diag(gamma) A diag(beta) K and U =
+GA diag(beta) V (docs/algorithm.md W1-W2) are not formed here: the walks form what they need of them from
+GA, and the backward's narrow reverse walks read W from chunk_w.py. K, L and GA share one buffer: 32.5 KiB
+of shared memory and 96 registers, 5 CTAs per SM (a build that also stored W and U, dropped on 2026-12-04,
+needed 48.5 KiB and 123: 4). The inverse needs no exp; the gates enter only GA.
 
 Chunks never straddle sequences. CTA c of the grid finds its sequence by binary search in
 `chunk_offsets` (exclusive prefix sum of chunks per sequence; `search_steps` = bit length of N); CTAs past
@@ -28,13 +24,10 @@ the last chunk and rows past the end of a sequence write nothing. Rows past the 
 keys, so they cannot reach the rows that exist (A is lower triangular).
 
 Schedule (one warpgroup, 128 threads, per (chunk, v-head)):
-  1. load the K tile (rows beyond the sequence end zeroed); the forward's build reads beta and g, cumsums g
-     and stores gcum while K is in flight; K K^T on tensor cores (fp32 accumulate), its strict lower part
-     scaled by beta as it leaves the accumulator, L = StrictLower(diag(beta) K K^T), to fp32 shared memory
-     (X, the inverse, is written in full by steps 2-4 before it is read: no identity fill, except in the build
-     with W and U, where it keeps TileLang's first-use layout of the tiles at 48.5 KiB; that build reads the
-     gates after L and X are laid out and scales L in place: its small buffers would otherwise sit between
-     the big tiles and cost it a CTA per SM);
+  1. load the K tile (rows beyond the sequence end zeroed); read beta and g, cumsum g and store gcum while K
+     is in flight; K K^T on tensor cores (fp32 accumulate), its strict lower part scaled by beta as it leaves
+     the accumulator, L = StrictLower(diag(beta) K K^T), to fp32 shared memory (X, the inverse, is written in
+     full by steps 2-4 before it is read: no identity fill);
   2. invert the four 16x16 diagonal blocks of I + L by fp32 forward substitution, one column per
      thread held in registers (64 threads, no barrier inside the substitution; two partial sums per row);
   3. merge 16 -> 32: X21 = -D1^{-1} L21 D0^{-1} for both 32-blocks (fp32, each thread 4 rows of a column);
@@ -42,27 +35,20 @@ Schedule (one warpgroup, 128 threads, per (chunk, v-head)):
      from the fp32 tiles, fp32 accumulation); both merges stage L21 X11 in the upper-right block of X (zero
      in X, zeroed again after use);
   5. mask by Gamma and store GA straight from X's tile (8 columns of a row per thread, one 16-byte store, no
-     branch); with W and U: Gamma o (A diag(beta)) to a shared tile, load the V tile into the bytes X
-     leaves; W = diag(gamma) ((A diag(beta)) K), then U = (Gamma o (A diag(beta))) V on tensor cores
-     through one fp32 accumulator, each staged as the input dtype through its input tile so the rows that
-     exist are stored 16 bytes at a time.
+     branch).
 Steps 2-4 on CUDA cores in fp32 replaced a barrier per substituted row and TF32 tensor-core merges with
 staging copies (H200, 2026-11-30: 0.34 -> 0.24 ms at (2, 8) x 32K tokens, 1.25 -> 0.94 ms at (16, 32)).
 The 32 -> 64 merge, 65K of the CTA's FMAs and 29% of its time there, went back to TF32 tensor cores as two
 `T.gemm` on regions of the fp32 tiles (no staging copies): forward build 748 -> 595 us at (16, 64) x 8K x 4,
 GA against a float64 inverse 2.09e-4 -> 2.20e-4 relative (the bf16 rounding of GA dominates; o against the
-float64 torch backend 3.97e-3 -> 3.98e-3), docs/kernels.md "Eighteenth session". The late V
-load, the in-X staging, one accumulator and beta/g laid out after the big tiles take the CTA from 158
-registers and 73 KiB of shared memory (3 CTAs per SM, Nsight Compute: 18.75% occupancy) to 124 registers
-and 48.5 KiB (4 CTAs per SM). In the forward's build, the gates read during the K load, beta folded into
-L, two partial sums in the substitution and GA stored from X's tile without the branchy per-element
+float64 torch backend 3.97e-3 -> 3.98e-3), docs/kernels.md "Eighteenth session". The gates read
+during the K load, beta folded into L, two partial sums in the substitution and GA stored from X's tile without the branchy per-element
 staging pass (one thread per column, a divergent branch and a 2-byte shared store per element), then X's
 identity fill dropped: 570 -> 460 -> 438 us at (16, 64) x 8K x 4, 294 -> 236 -> 226 at (16, 32) x 4K x 8,
 75 -> 60 -> 57 at (2, 8) x 32K (H200, 2026-12-02; GA within 1.1e-6 of before, the substitution's summation
 order; FlashQLA 0.1.3's kkt_solve + chunk cumsum on the same inputs 450, 227, 62), docs/kernels.md
 "Twenty-first session".
 """
-import tilelang
 import tilelang.language as T
 
 from .chunk_map import chunk_of_slot
@@ -72,9 +58,8 @@ HEAD_DIM = 128
 LOG2E = 1.4426950408889634
 
 
-def build_wy_inverse(dtype: str, with_wu: bool = True):
-    """Build the prim_func for q/k/v dtype `dtype` ("bfloat16" or "float16"); all sizes are dynamic.
-    with_wu=False builds the forward's kernel: GA and gcum only (`v`, `w`, `u` are not read or written)."""
+def build_wy_inverse(dtype: str):
+    """Build the prim_func for q/k/v dtype `dtype` ("bfloat16" or "float16"); all sizes are dynamic."""
     num_tokens = T.dynamic("num_tokens")
     num_qk_heads = T.dynamic("num_qk_heads")
     num_v_heads = T.dynamic("num_v_heads")
@@ -99,17 +84,13 @@ def build_wy_inverse(dtype: str, with_wu: bool = True):
         g: T.Tensor((num_tokens, num_v_heads), "float32"),
         cu_seqlens: T.Tensor((num_seqs + 1,), "int32"),
         chunk_offsets: T.Tensor((num_seqs + 1,), "int32"),
-        v: T.Tensor((num_tokens, num_v_heads, D), dtype),
         GA: T.Tensor((num_tokens, num_v_heads, C), dtype),
         gcum: T.Tensor((num_v_heads, num_tokens), "float32"),
-        w: T.Tensor((num_tokens, num_v_heads, D), dtype),
-        u: T.Tensor((num_tokens, num_v_heads, D), dtype),
         num_chunk_slots: T.int32,
         search_steps: T.int32,
     ):
         with T.Kernel(num_chunk_slots, num_v_heads, threads=128) as (chunk, h):
-            if not with_wu:
-                T.annotate_min_blocks_per_sm(5)  # <= 102 registers: 5 CTAs per SM (the merge's fragments want 111)
+            T.annotate_min_blocks_per_sm(5)  # <= 102 registers: 5 CTAs per SM (the merge's fragments want 111)
             hk = h // (num_v_heads // num_qk_heads)
 
             K_sh = T.alloc_shared((C, D), dtype)
@@ -129,10 +110,9 @@ def build_wy_inverse(dtype: str, with_wu: bool = True):
             seq, start, n_rows = chunk_of_slot(cu_seqlens, chunk_offsets, num_seqs, chunk, search_steps)
             last = T.max(n_rows - 1, 0)
 
-            # --- loads (the forward's build reads the gates while K is in flight) -----------------------
+            # --- loads (the gates read while K is in flight) ---------------------------------------------
             T.async_copy(k[start:start + C, hk, 0:D], K_sh)
-            if not with_wu:
-                load_gates(beta, g, gcum, beta_sh, g_sh, start, n_rows, last, h)
+            load_gates(beta, g, gcum, beta_sh, g_sh, start, n_rows, last, h)
             T.ptx_wait_group(0)
             T.sync_threads()
             if n_rows < C:
@@ -143,19 +123,9 @@ def build_wy_inverse(dtype: str, with_wu: bool = True):
             # write every element of it before any is read (the diagonal blocks with their zeros above the
             # diagonal, the lower blocks, the upper blocks as staging that is zeroed after use) -----------------
             T.gemm(K_sh, K_sh, KKt, transpose_B=True, clear_accum=True)
-            if not with_wu:  # beta applied as L leaves the accumulator
-                for r, s in T.Parallel(C, C):
-                    L_sh[r, s] = T.if_then_else(r > s, beta_sh[r] * KKt[r, s], 0.0)
-                T.sync_threads()
-            else:  # the gates read only now: their small buffers then do not sit between the big tiles (an X
-                # fill first too: laid out by first use, this build's tiles need 65 KiB without it, 48.5 with it)
-                for r, s in T.Parallel(C, C):
-                    L_sh[r, s] = T.if_then_else(r > s, KKt[r, s], 0.0)
-                    X_sh[r, s] = T.if_then_else(r == s, 1.0, 0.0)
-                load_gates(beta, g, gcum, beta_sh, g_sh, start, n_rows, last, h)
-                T.sync_threads()
-                for r, s in T.Parallel(C, C):
-                    L_sh[r, s] = beta_sh[r] * L_sh[r, s]
+            for r, s in T.Parallel(C, C):  # beta applied as L leaves the accumulator
+                L_sh[r, s] = T.if_then_else(r > s, beta_sh[r] * KKt[r, s], 0.0)
+            T.sync_threads()
 
             # --- 16x16 diagonal blocks, one column per thread in registers: x_i = e_i - sum_{j<i} L_ij x_j
             tx = T.get_thread_binding()
@@ -225,40 +195,5 @@ def build_wy_inverse(dtype: str, with_wu: bool = True):
                 if r < n_rows:
                     for j in T.vectorized(8):
                         GA[start + r, h, c0 + j] = GA_row[j]
-
-            if with_wu:  # a build-time branch: the forward-only build plans its shared memory without it
-                # --- W = diag(gamma) (X diag(beta)) K,  U = (Gamma o (X diag(beta))) V ---------------------
-                # V is loaded only now, into the space X no longer needs (fewer bytes live at once, more
-                # CTAs per SM), in flight during the W product; both staged through their input tiles for
-                # 16-byte row stores
-                V_sh = T.alloc_shared((C, D), dtype)
-                Ab_sh = T.alloc_shared((C, C), dtype)
-                GA_sh = T.alloc_shared((C, C), dtype)  # Gamma o (A diag(beta)), U's operand
-                WU = T.alloc_fragment((C, D), "float32")  # W, then U (one accumulator: 64 registers per thread)
-                for r, s in T.Parallel(C, C):
-                    Ab_sh[r, s] = T.cast(X_sh[r, s] * beta_sh[s], dtype)
-                    GA_sh[r, s] = T.cast(T.Select(r >= s, X_sh[r, s] * beta_sh[s] * T.exp2((g_sh[r] - g_sh[s]) * LOG2E),
-                                                  0.0), dtype)
-                T.sync_threads()  # V takes the bytes of X, which the loop above read
-                T.async_copy(v[start:start + C, h, 0:D], V_sh)
-                T.gemm(Ab_sh, K_sh, WU, clear_accum=True)
-                T.sync_threads()  # every warp's K reads done before K is overwritten
-                for r, d in T.Parallel(C, D):
-                    K_sh[r, d] = T.cast(WU[r, d] * T.exp2(g_sh[r] * LOG2E), dtype)
-                T.ptx_wait_group(0)
-                T.sync_threads()
-                if n_rows < C:
-                    for r, d in T.Parallel(C, D):
-                        if r >= n_rows:
-                            V_sh[r, d] = T.cast(0, dtype)
-                    T.sync_threads()
-                T.gemm(GA_sh, V_sh, WU, clear_accum=True)
-                T.sync_threads()
-                for r, d in T.Parallel(C, D):
-                    V_sh[r, d] = T.cast(WU[r, d], dtype)
-                for r, d in T.Parallel(C, D):
-                    if r < n_rows:
-                        w[start + r, h, d] = K_sh[r, d]
-                        u[start + r, h, d] = V_sh[r, d]
 
     return wy_inverse
