@@ -51,7 +51,7 @@ def main():
             run_states = functools.partial(states, x.k, x.v, x.GA, x.beta, x.gcum, x.cu, x.offsets, unused, h, vnew,
                                            unused, unused, no_active, 0, 0, 1, 0, 0)
             run_dstates = functools.partial(dstates, x.q, x.k, w, x.GA, x.beta, do, x.gcum, x.cu, x.offsets, unused,
-                                            h, dS0, D ** -0.5, 0, 1, 1)
+                                            h, dS0, x.cu, D ** -0.5, 0, 1, 1, 0)
             run_states(), run_dstates()
             states_ms, dstates_ms = eager_median_ms(run_states, args.reps), eager_median_ms(run_dstates, args.reps)
             cells.append(f"{states_ms:8.3f} ms {dstates_ms:8.3f} ms")

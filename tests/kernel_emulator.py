@@ -162,15 +162,17 @@ def emulate_fused_fwd(q, k, v, GA, beta, gcum, cu, offsets, h0, o, ht, h_out, sc
             ht[n * Hv:(n + 1) * Hv] = S.to(ht.dtype)
 
 
-def emulate_chunk_dstates(q, k, w, GA, beta, do, gcum, cu, offsets, dht, dh_out, dh0, scale, use_dht, store_dh0,
-                          store_dh, form_w):
-    """With `form_w` (the build at V tile 128) W = GA diag(beta gamma) K per chunk; else W is read from `w`."""
+def emulate_chunk_dstates(q, k, w, GA, beta, do, gcum, cu, offsets, dht, dh_out, dh0, last_chunks, scale, use_dht,
+                          store_dh0, store_dh, use_last, form_w):
+    """With `form_w` (the build at V tile 128) W = GA diag(beta gamma) K per chunk; else W is read from `w`.
+    use_last: the walk of (n, h) covers chunks last_chunks[h * N + n] .. 0 of its sequence only."""
     Hv, D = w.shape[1], w.shape[2]
     hk = _qk_heads(q.shape[1], Hv)
     chunks = list(_chunks(cu))
     for n in range(cu.numel() - 1):
         dS = _start_state(dht, n, use_dht, Hv, D)
         for _, c, t0, rows in reversed([ch for ch in chunks if ch[0] == n]):
+            walks = (last_chunks.view(Hv, -1)[:, n].long() >= c) if use_last else torch.ones(Hv, dtype=torch.bool)
             _, gamma, Gamma, gamma_last, to_end = _gates(gcum, t0, rows)
             Q, K, dOs = _rows(q, t0, rows, hk), _rows(k, t0, rows, hk), scale * _rows(do, t0, rows)
             if store_dh:
@@ -181,8 +183,8 @@ def emulate_chunk_dstates(q, k, w, GA, beta, do, gcum, cu, offsets, dht, dh_out,
                 W = _rows(GA, t0, rows) @ ((gamma * _rows(beta, t0, rows))[:, :, None] * K)
             else:
                 W = _rows(w, t0, rows)
-            dS = (gamma_last[:, :, None] * dS + Q.transpose(-1, -2) @ (gamma[:, :, None] * dOs)
-                  - W.transpose(-1, -2) @ X)
+            dS = torch.where(walks[:, None, None], gamma_last[:, :, None] * dS
+                             + Q.transpose(-1, -2) @ (gamma[:, :, None] * dOs) - W.transpose(-1, -2) @ X, dS)
         if store_dh0:
             dh0[n * Hv:(n + 1) * Hv] = dS.to(dh0.dtype)
 

@@ -151,6 +151,57 @@ def test_backward_dispatch_on_the_kernel_path_matches_the_torch_backend(hopper, 
         assert rel_err(a, b) <= limits[name], (name, rel_err(a, b))
 
 
+def test_reverse_walks_from_zero_end_where_the_gates_bound_the_rest_when_they_exceed_a_wave(hopper, monkeypatch):
+    """With cp_warmup, where the segments' reverse walks from zero (D_j) take more CTAs than there are SMs, each
+    covers its segment's chunks up to the first after which the gates from the segment's start sum below
+    cp_warmup (counted here from g itself): the whole segment for the g = 0 head, fewer chunks for the
+    strong-decay head. The gradients stay those of the untruncated walks within e^cp_warmup's reach; within
+    one wave no walk is truncated."""
+    from flashqla.kernels.hopper import launch
+    from flashqla.ops import backends, torch_backend
+
+    seen = []
+    real = hopper.state_gradients
+
+    def spy(x, do, scale, dht, store_dh=True, last_chunks=None):
+        if not store_dh:
+            seen.append(last_chunks)
+        return real(x, do, scale, dht, store_dh, last_chunks)
+
+    monkeypatch.setattr(hopper, "state_gradients", spy)
+    lengths, Hv, cp_warmup = [700, 1, 329], 4, -10.0
+    args, cu = call(lengths, Hqk=2, Hv=Hv, seed=21)
+    plan = torch_backend.make_plan(1, args["q"].shape[1], cu.tolist(), 4)  # segments of 4 chunks
+    gen = torch.Generator().manual_seed(22)
+    do = torch.randn(args["v"].shape, generator=gen).bfloat16()
+    dht = torch.randn(len(lengths), Hv, 128, 128, generator=gen) * 0.1
+    entering = backends.Call(*(args[n] for n in NAMES), args["initial_state"], cu)
+    grads = {}
+    exceeds = hopper.walks_exceed_a_wave
+    # 6 segments x 4 heads: 96 CTAs at V tile 32 on 132 SMs (one wave), 24 at 128 on 4 SMs (truncated, and
+    # untruncated for comparison)
+    for sm_count, truncate in ((132, True), (4, False), (4, True)):
+        monkeypatch.setattr(launch, "_sm_count", lambda index, sm_count=sm_count: sm_count)
+        monkeypatch.setattr(hopper, "walks_exceed_a_wave", exceeds if truncate else lambda *a: False)
+        seen.clear()
+        grads[sm_count, truncate] = backends.backward("tilelang", entering, 0.25, plan, cp_warmup, do, dht)
+        assert len(seen) == 1 and (seen[0] is None) == (sm_count == 132 or not truncate)
+    assert seen[0] is not None and seen[0].dtype == torch.int32 and seen[0].shape == (Hv, len(plan.starts))
+    want = torch.empty(Hv, len(plan.starts), dtype=torch.int32)
+    chunks = []
+    for row, (start, length) in enumerate(zip(plan.starts, plan.lengths)):
+        sums = torch.stack([args["g"][0, t:min(t + 64, start + length)].double().sum(0)
+                            for t in range(start, start + length, 64)])  # [chunks, Hv]
+        want[:, row] = (sums.cumsum(0) >= cp_warmup).sum(0)
+        chunks.append(len(sums))
+    chunks = torch.tensor(chunks)
+    assert torch.equal(torch.minimum(seen[0], chunks - 1), torch.minimum(want, chunks - 1))
+    assert (seen[0][0] >= chunks - 1).all()  # g = 0: every chunk
+    assert (seen[0][-1] < chunks - 1).any()  # strong decay: truncated
+    for name, a, b in zip(NAMES + ("initial_state",), grads[4, True], grads[4, False]):
+        assert rel_err(a, b) <= 1e-4, (name, rel_err(a, b))
+
+
 @pytest.mark.parametrize("varlen", [True, False], ids=["varlen_h0_dht", "batch"])
 def test_kernel_backward_matches_the_torch_backend(hopper, varlen):
     """chunk_gdn_bwd on the token layout: partial chunks, 1-token sequences, GQA, h0 and dht (varlen), and
@@ -551,7 +602,7 @@ def test_backward_reads_the_inverse_its_forward_kept(hopper, monkeypatch, intra_
     spy("compiled_chunk_w", lambda build, args: ())
     spy("compiled_fused_fwd", lambda build, args: (args[-1],))  # store_states
     spy("compiled_chunk_states", lambda build, args: ())
-    spy("compiled_chunk_dstates", lambda build, args: (args[-1], build[1]))  # store_dh, block_v
+    spy("compiled_chunk_dstates", lambda build, args: (args[-2], build[1]))  # store_dh, block_v
     kept_flags = []
     real_forward = backends.forward
     monkeypatch.setattr(backends, "forward", lambda *a, **kw: kept_flags.append(kw.get("keep_inverse"))

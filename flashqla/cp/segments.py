@@ -60,6 +60,9 @@ class _PlanTensors:
     # [has_h0, dht_given (None, False, True), leaving, rows] int32: each row's flags for the gate statistics
     # (`_gate_flags`, kernels/hopper/segment_gates.py); `gate_flags` picks one row of flags
     gate_flag_table: torch.Tensor
+    # [rows, longest row's chunks] int64: the last token of every chunk of every row (a row's last token
+    # past its own chunks), where the chunk-local cumulative gate holds the chunk's sum
+    chunk_last_token: torch.Tensor
     num_tokens: int
     first_row: int  # on the host (indexing with a device scalar would sync): the first sequence's first row
     last_row: int  # the last sequence's last row
@@ -79,10 +82,13 @@ def _plan_tensors(plan: SegmentPlan, num_tokens: int, device: torch.device) -> _
     # what launch.chunk_offsets_of(cu) computes on the device, once per plan
     chunk_offsets = as_tensor(list(itertools.accumulate(chunks, initial=0)), torch.int32)
     last_row = plan.last_rows[-1]
+    ends = [start + length for start, length in zip(plan.starts, plan.lengths)]
+    chunk_last_token = [[min(start + CHUNK * (c + 1), end) - 1 for c in range(max(chunks))]
+                        for start, end in zip(plan.starts, ends)]
     return _PlanTensors(cu, chunk_offsets, as_tensor(has_next, torch.bool), as_tensor(plan.first_rows, torch.int32),
                         as_tensor(plan.first_rows), as_tensor(plan.last_rows, torch.int32), as_tensor(plan.last_rows),
-                        as_tensor(_gate_flags(has_prev, has_next, last_row), torch.int32), num_tokens,
-                        plan.first_rows[0], last_row)
+                        as_tensor(_gate_flags(has_prev, has_next, last_row), torch.int32),
+                        as_tensor(chunk_last_token), num_tokens, plan.first_rows[0], last_row)
 
 
 def _gate_flags(has_prev: list, has_next: list, last_row: int) -> list:
@@ -258,6 +264,19 @@ def exit_gradients(hopper, D, M, exact, idx: _PlanTensors, dht):
     return hopper.fold_segments(X, D, M, mask, idx.first, idx.last, reverse=True)
 
 
+def _reverse_walk_last_chunks(idx: _PlanTensors, gcum, cp_warmup: float):
+    """[Hv, rows] int32: the last chunk of each segment that its reverse walk from zero (D_j) covers.
+
+    Chunk c's outputs reach the segment's start state through the decay of every chunk before it, at most
+    exp(sum of their gates): the walk covers the chunks up to the first one after which the gates from the
+    segment's start sum below `cp_warmup`, which is the count of leading chunks whose running sum stays at
+    or above it (design doc §4, the forward's warmup mirrored: the neglected part of D_j is below
+    e^cp_warmup of the gradients it would have carried back). A head that never decays that far walks its
+    whole segment (the kernel caps the count at the segment's chunks)."""
+    running = gcum[:, idx.chunk_last_token].cumsum(-1)  # [Hv, rows, chunks]: gates from the start through c
+    return (running >= cp_warmup).sum(-1, dtype=torch.int32)
+
+
 @dataclass
 class BackwardPrologue:
     """What the backward computes before it needs the final-state gradient (`backward_prologue`)."""
@@ -292,7 +311,13 @@ def backward_prologue(hopper, q, k, v, g, beta, scale, initial_state, plan: Segm
         S_star, M, exact = _segment_summaries(hopper, x, idx, cp_warmup, initial_state is not None, dht_given)
         starts = (_chain(hopper, S_star, M, exact, idx, initial_state), M, exact)
     do = hopper.output_gradient(x, do)
-    _, D = hopper.state_gradients(x, do, scale, None, store_dh=False)  # dS0 alone: no per-chunk dS stored
+    # dS0 alone: no per-chunk dS stored; warmed up where the walks take more than a wave of CTAs (within one
+    # wave the heads that walk whole segments set the launch's time anyway), each walk covers its segment's
+    # first chunks only
+    last_chunks = None
+    if cp_warmup is not None and hopper.walks_exceed_a_wave(q.device, x.num_seqs, x.num_v_heads):
+        last_chunks = _reverse_walk_last_chunks(idx, x.gcum, cp_warmup)
+    _, D = hopper.state_gradients(x, do, scale, None, store_dh=False, last_chunks=last_chunks)
     return BackwardPrologue(idx, packed, x, starts, do, scale, D, tuple(t.shape for t in (q, k, v, g, beta)),
                             initial_state is not None)
 

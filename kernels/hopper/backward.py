@@ -56,11 +56,13 @@ def output_gradient(x: ChunkedCall, do: torch.Tensor) -> torch.Tensor:
     return do.reshape(x.v.shape).to(x.v.dtype).contiguous()
 
 
-def state_gradients(x: ChunkedCall, do: torch.Tensor, scale: float, dht, store_dh: bool = True):
+def state_gradients(x: ChunkedCall, do: torch.Tensor, scale: float, dht, store_dh: bool = True, last_chunks=None):
     """chunk_dstates over every sequence of `x` from dO (`output_gradient`) with the output scale and dht
     (fp32 [N, Hv, 128, 128], or None for zero): (dh [chunk_slots, Hv, 128, 128] in the input dtype, or None
     without store_dh, dS0 fp32 [N, Hv, 128, 128]). At V tile 128 the walk forms W itself from GA, beta and the
-    gates; at narrower tiles it reads x's W, computed here (chunk_w, every chunk) when x has none."""
+    gates; at narrower tiles it reads x's W, computed here (chunk_w, every chunk) when x has none.
+    last_chunks: int32 [Hv, N] or None: the walk of (n, h) covers only chunks last_chunks[h, n] .. 0 of its
+    sequence (a warmed-up walk from zero: store_dh False, no dht)."""
     N, Hv, device, D = x.num_seqs, x.num_v_heads, x.q.device, HEAD_DIM
     block_v = block_v_on(device, N, Hv)
     if walk_forms_w(block_v):
@@ -73,9 +75,12 @@ def state_gradients(x: ChunkedCall, do: torch.Tensor, scale: float, dht, store_d
     placeholder = torch.empty(1, D, D, dtype=torch.float32, device=device)
     dht_arg = placeholder if dht is None else dht.float().reshape(N * Hv, D, D).contiguous()
     dS0 = torch.empty(N, Hv, D, D, dtype=torch.float32, device=device)
+    if last_chunks is not None and (store_dh or dht is not None):
+        raise ValueError("last_chunks truncate a walk from zero that stores dS0 alone")
+    last_arg = x.cu if last_chunks is None else last_chunks.reshape(-1)  # int32 either way; unread when None
     compiled_chunk_dstates(x.dtype, block_v)(
-        x.q, x.k, w, x.GA, x.beta, do, x.gcum, x.cu, x.offsets, dht_arg, dh, dS0.view(N * Hv, D, D), scale,
-        int(dht is not None), 1, int(store_dh))
+        x.q, x.k, w, x.GA, x.beta, do, x.gcum, x.cu, x.offsets, dht_arg, dh, dS0.view(N * Hv, D, D), last_arg,
+        scale, int(dht is not None), 1, int(store_dh), int(last_chunks is not None))
     return (dh if store_dh else None), dS0
 
 

@@ -10,7 +10,10 @@ One CTA per (V tile, sequence, v-head) walks its chunks from the last to the fir
 in fp32 fragments, writing per chunk the gradient of the state leaving it (`dh`, input dtype, at the
 chunk's slot chunk_offsets[n] + c; not with `store_dh` = 0: intra-card CP's walks from zero and inter-card
 CP's D_p want dS0 alone) and at the end dS0, the gradient of the initial state. The local term
-(Gamma o Q K^T)^T dOs needs no state, so its Q K^T product is off the serial chain.
+(Gamma o Q K^T)^T dOs needs no state, so its Q K^T product is off the serial chain. With `use_last` the walk
+of (n, h) starts from zero at chunk last_chunks[h, n] of its sequence instead of its last chunk (-1: no
+chunk, dS0 = 0): intra-card CP's warmed-up walks from zero (flashqla/cp/segments.py, D_j of the heads whose
+gates bound the later chunks' reach).
 
 W: at block_v = 128 (one CTA per walk, chosen where the walks fill the GPU) the walk forms W per chunk from
 the forward's GA, beta and the gates, W = GA diag(beta gamma) K (Gamma_rs gamma_s = gamma_r), a product
@@ -55,6 +58,7 @@ def build_chunk_dstates(dtype: str, block_v: int, form_w: bool):
     num_chunk_slots = T.dynamic("num_chunk_slots")
     num_dht = T.dynamic("num_dht")
     num_dh0 = T.dynamic("num_dh0")
+    num_last = T.dynamic("num_last")
     C, D, BV = CHUNK, HEAD_DIM, block_v
     threads = threads_for(BV)
     loads = 6 if form_w else 5  # commit groups per chunk (load_chunk)
@@ -149,10 +153,12 @@ def build_chunk_dstates(dtype: str, block_v: int, form_w: bool):
         dht: T.Tensor((num_dht, D, D), "float32"),
         dh_out: T.Tensor((num_chunk_slots, num_v_heads, D, D), dtype),
         dh0: T.Tensor((num_dh0, D, D), "float32"),
+        last_chunks: T.Tensor((num_last,), "int32"),
         scale: T.float32,
         use_dht: T.int32,
         store_dh0: T.int32,
         store_dh: T.int32,
+        use_last: T.int32,
     ):
         with T.Kernel(D // BV, num_seqs, num_v_heads, threads=threads_for(BV)) as (bv, n, h):
             hk = T.alloc_var("int32")
@@ -163,7 +169,10 @@ def build_chunk_dstates(dtype: str, block_v: int, form_w: bool):
             eos = cu_seqlens[n + 1]
             v0 = bv * BV
             state_row = n * num_v_heads + h
+            num_chunks = T.alloc_var("int32")  # the walk runs chunks num_chunks - 1 .. 0
             num_chunks = T.ceildiv(eos - bos, C)
+            if use_last != 0:  # a warmed-up walk from zero: its sequence's chunks last_chunks[h, n] .. 0 only
+                num_chunks = T.min(num_chunks, last_chunks[h * num_seqs + n] + 1)
 
             Q0, Q1 = T.alloc_shared((C, D), dtype), T.alloc_shared((C, D), dtype)
             K0, K1 = T.alloc_shared((C, D), dtype), T.alloc_shared((C, D), dtype)
@@ -193,13 +202,14 @@ def build_chunk_dstates(dtype: str, block_v: int, form_w: bool):
             else:
                 T.clear(dS)
             T.copy(dS, dS_sh)
-            last_t0 = bos + (num_chunks - 1) * C
-            load_chunk(q, k, w, GA, beta, do, gcum, last_t0, hk, h, v0, Q0, K0, W0, b0, dO0, graw0)
+            if num_chunks > 0:
+                load_chunk(q, k, w, GA, beta, do, gcum, bos + (num_chunks - 1) * C, hk, h, v0, Q0, K0, W0, b0, dO0,
+                           graw0)
 
             for i in T.serial(num_chunks):
                 c = num_chunks - 1 - i
                 chunk_index = chunk_offsets[n] + c
-                n_rows = T.min(C, eos - bos - c * C)  # < C only in the last chunk (i == 0)
+                n_rows = T.min(C, eos - bos - c * C)  # < C only in the sequence's last chunk
                 if i % 2 == 0:
                     if i + 1 < num_chunks:
                         load_chunk(q, k, w, GA, beta, do, gcum, bos + (c - 1) * C, hk, h, v0, Q1, K1, W1, b1, dO1,

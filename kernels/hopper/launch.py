@@ -181,6 +181,13 @@ def walks_fill(device: torch.device, num_seqs: int, num_v_heads: int) -> bool:
     return num_seqs * num_v_heads * (HEAD_DIM // BLOCK_V_CHOICES[-1]) >= MIN_CTAS_PER_SM * _sm_count_on(device)
 
 
+def walks_exceed_a_wave(device: torch.device, num_seqs: int, num_v_heads: int) -> bool:
+    """Whether a walk over `num_seqs` x `num_v_heads` at dispatch's V tile has more CTAs than `device` has SMs
+    (the walks at V tile 128 hold one CTA per SM): then a walk that ends early frees its SM for another."""
+    block_v = block_v_on(device, num_seqs, num_v_heads)
+    return num_seqs * num_v_heads * (HEAD_DIM // block_v) > _sm_count_on(device)
+
+
 def chunk_offsets_of(cu_seqlens: torch.Tensor) -> torch.Tensor:
     """Exclusive prefix sum of the number of 64-token chunks per sequence, int32 [N + 1] (no host sync)."""
     chunks = (cu_seqlens[1:] - cu_seqlens[:-1] + CHUNK - 1) // CHUNK

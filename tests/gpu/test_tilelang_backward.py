@@ -170,3 +170,34 @@ def test_gqa_sum_kernel_is_the_fp32_sum_rounded_once(group, dtype):
         launch.compiled_gqa_sum(launch._TORCH_TO_TL[dtype])(dq, dk, dq_out, dk_out)
         assert torch.equal(dq_out, dq.float().sum(1).to(dtype)), (group, rows)
         assert torch.equal(dk_out, dk.float().sum(1).to(dtype)), (group, rows)
+
+
+def test_reverse_walk_from_zero_over_each_walks_leading_chunks_matches_float64(poisoned_outputs, monkeypatch):
+    """chunk_dstates with `last_chunks` (intra-card CP's warmed-up D_j walks) at every V tile: dS0 of (n, h) is
+    the float64 gradient of the initial state from the outputs of chunks last_chunks[h, n] .. 0 alone (dO
+    zero past them, no final-state gradient); -1 walks nothing (zeros), past the end the whole sequence. A
+    pack with 1- and 65-token sequences, GQA 2 -> 8, g = 0 and strong decay heads; outputs NaN-poisoned."""
+    from flashqla.kernels.hopper import backward, launch
+
+    lengths, Hv = [1000, 65, 1, 2030], 8
+    call = make_call(lengths, 2, Hv, seed=31)
+    gen = torch.Generator(device="cuda").manual_seed(32)
+    chunks = (call["cu_seqlens"].diff() + 63) // 64  # [N]
+    last = (torch.randint(0, 1 << 20, (Hv, len(lengths)), generator=gen, device="cuda") % (chunks + 3) - 1).int()
+    last[0, 0], last[1, 0] = -1, 1 << 20  # a walk over nothing and one past the end, surely
+    do = torch.randn(call["v"].shape, generator=gen, device="cuda").to(call["v"].dtype)
+    # float64: the outputs past each walk's last chunk carry no gradient
+    t = torch.arange(sum(lengths), device="cuda")
+    seq = torch.bucketize(t, call["cu_seqlens"][1:].long(), right=True)
+    covered = t[:, None] < call["cu_seqlens"][seq].long()[:, None] + 64 * (last.t()[seq].long() + 1)  # [T, Hv]
+    do_walked = do * covered[None, :, :, None]
+    want = recurrence64_with_grads(call, do_walked, torch.zeros_like(call["initial_state"]))["initial_state"]
+    x = launch.prepare(*[call[n] for n in ("q", "k", "v", "g", "beta", "cu_seqlens")])
+    for block_v in launch.BLOCK_V_CHOICES:
+        monkeypatch.setattr(backward, "block_v_on", lambda *_, bv=block_v: bv)
+        x.w = None
+        _, dS0 = backward.state_gradients(x, backward.output_gradient(x, do), D ** -0.5, None, store_dh=False,
+                                          last_chunks=last)
+        err = rel_err(dS0, want)
+        assert err <= TOL["initial_state"], (block_v, err)
+        assert torch.equal(dS0[0, 0], torch.zeros_like(dS0[0, 0]))
