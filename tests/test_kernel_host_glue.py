@@ -200,6 +200,9 @@ def test_reverse_walks_from_zero_end_where_the_gates_bound_the_rest_when_they_ex
     assert (seen[0][-1] < chunks - 1).any()  # strong decay: truncated
     for name, a, b in zip(NAMES + ("initial_state",), grads[4, True], grads[4, False]):
         assert rel_err(a, b) <= 1e-4, (name, rel_err(a, b))
+    x = launch.prepare(*(args[n] for n in NAMES), cu)
+    with pytest.raises(ValueError, match="last_chunks"):  # only a walk from zero that stores dS0 alone
+        real(x, hopper.output_gradient(x, do), 0.25, None, store_dh=True, last_chunks=seen[0])
 
 
 @pytest.mark.parametrize("varlen", [True, False], ids=["varlen_h0_dht", "batch"])

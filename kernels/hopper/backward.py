@@ -63,6 +63,8 @@ def state_gradients(x: ChunkedCall, do: torch.Tensor, scale: float, dht, store_d
     gates; at narrower tiles it reads x's W, computed here (chunk_w, every chunk) when x has none.
     last_chunks: int32 [Hv, N] or None: the walk of (n, h) covers only chunks last_chunks[h, n] .. 0 of its
     sequence (a warmed-up walk from zero: store_dh False, no dht)."""
+    if last_chunks is not None and (store_dh or dht is not None):
+        raise ValueError("last_chunks truncate a walk from zero that stores dS0 alone")
     N, Hv, device, D = x.num_seqs, x.num_v_heads, x.q.device, HEAD_DIM
     block_v = block_v_on(device, N, Hv)
     if walk_forms_w(block_v):
@@ -75,8 +77,6 @@ def state_gradients(x: ChunkedCall, do: torch.Tensor, scale: float, dht, store_d
     placeholder = torch.empty(1, D, D, dtype=torch.float32, device=device)
     dht_arg = placeholder if dht is None else dht.float().reshape(N * Hv, D, D).contiguous()
     dS0 = torch.empty(N, Hv, D, D, dtype=torch.float32, device=device)
-    if last_chunks is not None and (store_dh or dht is not None):
-        raise ValueError("last_chunks truncate a walk from zero that stores dS0 alone")
     last_arg = x.cu if last_chunks is None else last_chunks.reshape(-1)  # int32 either way; unread when None
     compiled_chunk_dstates(x.dtype, block_v)(
         x.q, x.k, w, x.GA, x.beta, do, x.gcum, x.cu, x.offsets, dht_arg, dh, dS0.view(N * Hv, D, D), last_arg,
