@@ -82,9 +82,8 @@ def _plan_tensors(plan: SegmentPlan, num_tokens: int, device: torch.device) -> _
     # what launch.chunk_offsets_of(cu) computes on the device, once per plan
     chunk_offsets = as_tensor(list(itertools.accumulate(chunks, initial=0)), torch.int32)
     last_row = plan.last_rows[-1]
-    ends = [start + length for start, length in zip(plan.starts, plan.lengths)]
-    chunk_last_token = [[min(start + CHUNK * (c + 1), end) - 1 for c in range(max(chunks))]
-                        for start, end in zip(plan.starts, ends)]
+    chunk_last_token = [[start + min(CHUNK * (c + 1), length) - 1 for c in range(max(chunks))]
+                        for start, length in zip(plan.starts, plan.lengths)]
     return _PlanTensors(cu, chunk_offsets, as_tensor(has_next, torch.bool), as_tensor(plan.first_rows, torch.int32),
                         as_tensor(plan.first_rows), as_tensor(plan.last_rows, torch.int32), as_tensor(plan.last_rows),
                         as_tensor(_gate_flags(has_prev, has_next, last_row), torch.int32),
@@ -272,7 +271,9 @@ def _reverse_walk_last_chunks(idx: _PlanTensors, gcum, cp_warmup: float):
     segment's start sum below `cp_warmup`, which is the count of leading chunks whose running sum stays at
     or above it (design doc §4, the forward's warmup mirrored: the neglected part of D_j is below
     e^cp_warmup of the gradients it would have carried back). A head that never decays that far walks its
-    whole segment (the kernel caps the count at the segment's chunks)."""
+    whole segment (the kernel caps the count at the segment's chunks). The torch backend's backward restart
+    is the same chunk (`intra.warmup_plans`, the first chunk whose running sum is below the threshold), from
+    its own chunked layout."""
     running = gcum[:, idx.chunk_last_token].cumsum(-1)  # [Hv, rows, chunks]: gates from the start through c
     return (running >= cp_warmup).sum(-1, dtype=torch.int32)
 
