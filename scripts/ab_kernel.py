@@ -18,6 +18,7 @@ medians, on a GPU) and the relative L2 difference of every output. This is how k
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from dataclasses import dataclass
@@ -164,12 +165,15 @@ def ab(kernel, build_args, variants, configs, make_inputs, intra_cp="off", reps=
 
 
 def compile_variant(path, builder, build_args):
+    """The variant, built with the package's pass configs plus those in AB_PASS_CONFIGS (a JSON object, e.g.
+    '{"tl.disable_thread_storage_sync": true}'; set it alike where the variant is compiled and where it runs,
+    the cache key includes them)."""
     import tilelang
 
     from flashqla.kernels.hopper import launch
 
-    return tilelang.compile(load_builder(path, builder)(*build_args), target=launch.TARGET,
-                            pass_configs=launch._pass_configs())
+    pass_configs = {**launch._pass_configs(), **json.loads(os.environ.get("AB_PASS_CONFIGS", "{}"))}
+    return tilelang.compile(load_builder(path, builder)(*build_args), target=launch.TARGET, pass_configs=pass_configs)
 
 
 def main():

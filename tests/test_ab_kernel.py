@@ -81,3 +81,19 @@ def test_timed_runs_do_not_hide_the_outputs_from_the_comparison(emulated, monkey
     for row in rows:
         assert sorted(row["outputs"]) == [5, 6], row
         assert row["committed_us"] == row["variant_us"] == 1.0
+
+
+def test_variants_build_with_the_package_pass_configs_plus_those_named_in_the_environment(monkeypatch):
+    import tilelang
+
+    built = {}
+    monkeypatch.setattr(ab_kernel, "load_builder", lambda path, builder: lambda *args: (path, builder, args))
+    monkeypatch.setattr(tilelang, "compile", lambda func, target, pass_configs: built.update(
+        func=func, target=target, pass_configs=pass_configs) or "kernel")
+    monkeypatch.delenv("AB_PASS_CONFIGS", raising=False)
+    assert ab_kernel.compile_variant("variant.py", "build_x", ("bfloat16",)) == "kernel"
+    assert built["func"] == ("variant.py", "build_x", ("bfloat16",))
+    assert built["pass_configs"] == {"tl.enable_fast_math": True}
+    monkeypatch.setenv("AB_PASS_CONFIGS", '{"tl.disable_thread_storage_sync": true}')
+    ab_kernel.compile_variant("variant.py", "build_x", ("bfloat16",))
+    assert built["pass_configs"] == {"tl.enable_fast_math": True, "tl.disable_thread_storage_sync": True}
