@@ -5,6 +5,11 @@
     # on the H200 (the committed kernels prebuilt, DIR merged into TILELANG_CACHE_DIR or given as --cache):
     python3 scripts/ab_kernel.py run wy_inverse path/to/variant.py build_wy_inverse bfloat16 False \\
         --configs 16:64:8192x4,2:8:32768x1 [--intra-cp off] [--reps 20]
+    # a previous version of a kernel whose builder takes other arguments (here the one before a build argument
+    # was added): the launch is recorded with the committed builder's arguments, the variant built with these
+    git show main:kernels/hopper/chunk_bwd_local.py > devrun/cbl_main.py
+    python3 scripts/ab_kernel.py run chunk_bwd_local devrun/cbl_main.py build_chunk_bwd_local bfloat16 132 \
+        --variant-args bfloat16
 
 KERNEL names `launch.compiled_<KERNEL>`, the builder's arguments (integers, True/False, strings) are its
 build arguments. For every config (Hqk:Hv:tokens-per-sequence x sequences, bench_gdn's model-like inputs),
@@ -176,7 +181,7 @@ def compile_variant(path, builder, build_args):
     return tilelang.compile(load_builder(path, builder)(*build_args), target=launch.TARGET, pass_configs=pass_configs)
 
 
-def main():
+def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("mode", choices=["compile", "run"])
     ap.add_argument("rest", nargs="+", help="compile: VARIANT BUILDER ARGS...; run: KERNEL VARIANT BUILDER ARGS... "
@@ -185,7 +190,9 @@ def main():
     ap.add_argument("--configs", default="16:32:4096x8,2:8:32768x1")
     ap.add_argument("--intra-cp", default="off")
     ap.add_argument("--reps", type=int, default=20)
-    opts = ap.parse_args()
+    ap.add_argument("--variant-args", default=None, help="run: build the variants with these arguments "
+                    "(space-separated) instead of the committed kernel's; the runtime arguments must be the same")
+    opts = ap.parse_args(argv)
     if opts.cache:
         os.environ["TILELANG_CACHE_DIR"] = os.path.abspath(opts.cache)
     if opts.mode == "compile":
@@ -197,7 +204,8 @@ def main():
     build_args = parse_build_args(raw)
     from bench_gdn import make_inputs
 
-    variants = {os.path.basename(p): compile_variant(p, builder, build_args) for p in path.split(",")}
+    variant_args = build_args if opts.variant_args is None else parse_build_args(opts.variant_args.split())
+    variants = {os.path.basename(p): compile_variant(p, builder, variant_args) for p in path.split(",")}
     intra_cp = opts.intra_cp if opts.intra_cp in ("off", "auto") else int(opts.intra_cp)
     ab(kernel, build_args, variants, [parse_config(c) for c in opts.configs.split(",")], make_inputs, intra_cp,
        opts.reps)

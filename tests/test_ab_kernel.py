@@ -97,3 +97,20 @@ def test_variants_build_with_the_package_pass_configs_plus_those_named_in_the_en
     monkeypatch.setenv("AB_PASS_CONFIGS", '{"tl.disable_thread_storage_sync": true}')
     ab_kernel.compile_variant("variant.py", "build_x", ("bfloat16",))
     assert built["pass_configs"] == {"tl.enable_fast_math": True, "tl.disable_thread_storage_sync": True}
+
+
+def test_variant_args_build_the_variant_differently_from_the_recorded_launch(monkeypatch):
+    # a previous kernel whose builder lacks a later build argument: the launch is still recorded with the
+    # committed builder's arguments, only the variant is built with --variant-args
+    built, recorded = [], {}
+    monkeypatch.setattr(ab_kernel, "compile_variant", lambda path, builder, args: built.append(args) or path)
+    monkeypatch.setattr(ab_kernel, "ab", lambda kernel, build_args, variants, *rest, **kw: recorded.update(
+        kernel=kernel, build_args=build_args, variants=sorted(variants)))
+    ab_kernel.main(["run", "chunk_bwd_local", "old.py,older.py", "build_chunk_bwd_local", "bfloat16", "132",
+                    "--variant-args", "bfloat16", "--configs", "2:4:64x1"])
+    assert built == [("bfloat16",), ("bfloat16",)]
+    assert recorded == {"kernel": "chunk_bwd_local", "build_args": ("bfloat16", 132),
+                        "variants": ["old.py", "older.py"]}
+    built.clear()
+    ab_kernel.main(["run", "chunk_bwd_local", "same.py", "build_chunk_bwd_local", "bfloat16", "--configs", "2:4:64x1"])
+    assert built == [("bfloat16",)]
