@@ -191,7 +191,7 @@ def main(argv=None):
     ap.add_argument("--intra-cp", default="off")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--variant-args", default=None, help="run: build the variants with these arguments "
-                    "(space-separated) instead of the committed kernel's; the runtime arguments must be the same")
+                    "(comma- or space-separated) instead of the committed kernel's; the runtime arguments must be the same")
     opts = ap.parse_args(argv)
     if opts.cache:
         os.environ["TILELANG_CACHE_DIR"] = os.path.abspath(opts.cache)
@@ -204,7 +204,7 @@ def main(argv=None):
     build_args = parse_build_args(raw)
     from bench_gdn import make_inputs
 
-    variant_args = build_args if opts.variant_args is None else parse_build_args(opts.variant_args.split())
+    variant_args = build_args if opts.variant_args is None else parse_build_args(opts.variant_args.replace(",", " ").split())
     variants = {os.path.basename(p): compile_variant(p, builder, variant_args) for p in path.split(",")}
     intra_cp = opts.intra_cp if opts.intra_cp in ("off", "auto") else int(opts.intra_cp)
     ab(kernel, build_args, variants, [parse_config(c) for c in opts.configs.split(",")], make_inputs, intra_cp,

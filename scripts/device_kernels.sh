@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
 # One H200 session for the TileLang kernels: GPU tests, cold-compile time, forward and backward benchmarks.
 # Run from the repo root on the device machine with `.devsite` and `.devkernels` (or `.tilelang_cache`)
-# carried; logs go to $OUT. Usage: scripts/device_kernels.sh [tests|cold|bench|bwd|profile|layer|walks|all] [extra bench_gdn.py arguments...]
+# carried; logs go to $OUT. Usage: scripts/device_kernels.sh MODES [extra bench_gdn.py arguments...], MODES one of
+# tests|cold|bench|bwd|profile|layer|walks|ab|all or several comma-separated (e.g. ab,tests; all leaves out ab)
+#   ab:    scripts/ab_kernel.py run $AB_ARGS: a kernel variant against the committed kernel, outputs and time side by
+#          side; the variant's TileLang cache, built here with `ab_kernel.py compile ... --cache .devvar/cache`, is
+#          merged into the kernels' cache when .devvar is carried
 #   tests: tests/gpu (first-call latency only with TESTS_FIRST_CALL=1: it JIT-compiles in fresh processes for minutes)
 #   bench: bench_gdn.py (pass e.g. --cp-sweep 32,64,128,256 --flashqla-configs none)
 #   profile: profile_gdn.py step (PROFILE_ARGS) and first-call in a fresh process on an empty cache
@@ -12,6 +16,7 @@
 set -uo pipefail
 what=${1:-all}
 shift || true
+runs() { [[ ,$what, == *,$1,* || ($what == all && $1 != ab) ]]; }
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT" /tmp/s
 tar xJf .devsite/site.tar.xz -C /tmp/s
@@ -33,14 +38,14 @@ done
 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >"$OUT/pip.log" 2>&1 || { cat "$OUT/pip.log"; exit 1; }
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv | tee "$OUT/gpu.txt"
 
-if [[ $what == tests || $what == all ]]; then
+if runs tests; then
   # the first-call latency test JIT-compiles from an empty cache (about 4 minutes): only with TESTS_FIRST_CALL=1
   skip=(--deselect tests/gpu/test_first_call_latency.py)
   [[ ${TESTS_FIRST_CALL:-0} == 1 ]] && skip=()
   timeout "${TESTS_TIMEOUT:-420}" python3 -m pytest -q -s -rA tests/gpu "${skip[@]}" 2>&1 | tee "$OUT/tests.log" | tail -30
 fi
 
-if [[ $what == cold || $what == all ]]; then
+if runs cold; then
   # cold compile of the whole forward for one head configuration, empty cache, fresh process
   TILELANG_CACHE_DIR=/tmp/cold_cache timeout 200 python3 - <<'EOF' 2>&1 | tee "$OUT/cold_compile.log"
 import time, torch
@@ -56,24 +61,24 @@ print(f"cold compile + first forward (Hqk=2, Hv=8, bf16): {time.perf_counter() -
 EOF
 fi
 
-if [[ $what == bench || $what == all ]]; then
+if runs bench; then
   tag=${BENCH_TAG:-}
   timeout "${BENCH_TIMEOUT:-540}" python3 benchmarks/bench_gdn.py --out "$OUT/benchmarks$tag.md" \
     --png "$OUT/benchmarks_fwd$tag.png" "$@" 2>&1 | tee "$OUT/bench$tag.log" | grep -v "^\s*$" | tail -40
 fi
 
-if [[ $what == bwd || $what == all ]]; then
+if runs bwd; then
   timeout "${BWD_TIMEOUT:-300}" python3 benchmarks/bench_bwd.py --graphs --impls flashqla,fla ${BWD_ARGS:-} --out "$OUT/benchmarks_bwd.md" 2>&1 \
     | tee "$OUT/bench_bwd.log" | grep -v "^\s*$" | tail -40
 fi
 
-if [[ $what == profile || $what == all ]]; then
+if runs profile; then
   timeout 120 python3 benchmarks/profile_gdn.py step ${PROFILE_ARGS:-} 2>&1 | tee "$OUT/profile_step.log" | grep -v "^\s*$" | head -120
   FLASHQLA_PREBUILT_KERNELS=$TILELANG_CACHE_DIR TILELANG_CACHE_DIR=/tmp/first_call_cache timeout 120 \
     python3 benchmarks/profile_gdn.py first-call --top 45 2>&1 | tee "$OUT/profile_first_call.log" | head -80
 fi
 
-if [[ $what == layer || $what == all ]]; then
+if runs layer; then
   # the fused q/k L2 norm is opt-in until its GPU test passes (flashqla/ops/qk_norm.py): test it, then time
   # the layer with it off (against Megatron + FLA) and on (flashqla's layer alone)
   timeout 120 python3 -m pytest -q -rA tests/gpu/test_tilelang_layer_ops.py -k l2norm 2>&1 | tail -5
@@ -85,6 +90,14 @@ if [[ $what == layer || $what == all ]]; then
   done
 fi
 
-if [[ $what == walks || $what == all ]]; then
+if runs walks; then
   timeout 120 python3 benchmarks/bench_walks.py 2>&1 | tee "$OUT/bench_walks.log" | grep -v "TileLang" | tail -12
+fi
+
+if runs ab; then
+  [[ -d .devvar/cache ]] && cp -r .devvar/cache/. "$TILELANG_CACHE_DIR"/
+  # AB_ARGS unquoted on purpose: it is the argument list of `ab_kernel.py run`
+  # shellcheck disable=SC2086
+  timeout "${AB_TIMEOUT:-400}" python3 scripts/ab_kernel.py run ${AB_ARGS:?AB_ARGS: KERNEL VARIANT BUILDER ARGS... [--configs ...]} \
+    2>&1 | tee "$OUT/ab.log" | grep -v "TileLang" | tail -40
 fi

@@ -112,5 +112,8 @@ def test_variant_args_build_the_variant_differently_from_the_recorded_launch(mon
     assert recorded == {"kernel": "chunk_bwd_local", "build_args": ("bfloat16", 132),
                         "variants": ["old.py", "older.py"]}
     built.clear()
+    ab_kernel.main(["run", "wy_inverse", "old.py", "build_wy_inverse", "bfloat16", "--variant-args", "bfloat16,False"])
+    assert built == [("bfloat16", False)]
+    built.clear()
     ab_kernel.main(["run", "chunk_bwd_local", "same.py", "build_chunk_bwd_local", "bfloat16", "--configs", "2:4:64x1"])
     assert built == [("bfloat16",)]
