@@ -9,8 +9,9 @@ the builder and its arguments (integers where they look like integers). Prints t
 (read from the cubin TileLang wrote), the dynamic shared memory and where each shared buffer starts
 (TileLang's planner lays buffers with disjoint lifetimes over each other), ptxas's spill stores and loads,
 and how many CTAs of it fit on one H200 SM by registers and by shared memory: the occupancy Nsight Compute
-would report, before any device time is spent (docs/kernels.md, "Occupancy"). `--source FILE` also writes
-the CUDA source TileLang generated, to read what a step lowered to.
+would report, before any device time is spent (docs/kernels.md, "Occupancy"), and every thread barrier the
+generated CUDA places inside a one-thread branch (a hang on the device). `--source FILE` also writes the CUDA
+source TileLang generated, to read what a step lowered to.
 """
 from __future__ import annotations
 
@@ -44,6 +45,31 @@ def load_builder(target: str, builder: str):
 def parse_build_args(raw) -> tuple:
     """Command-line builder arguments: integers where they look like integers, True/False as bools."""
     return tuple(int(a) if a.lstrip("-").isdigit() else {"True": True, "False": False}.get(a, a) for a in raw)
+
+
+# the one-thread branches TileLang emits around a TMA issue (T.tma_copy, T.copy through TMA) or a thread-0 step
+ELECTED_BRANCH = re.compile(r"if \(tl::tl_shuffle_elect<\d+>\(\)\)|if \(\(\(int\)threadIdx\.x\) == \d+\)")
+THREAD_BARRIER = re.compile(r"__syncthreads\(\)|__sync_thread_partial\(|\bbar\.sync\b|\bbarrier\.sync\b")
+
+
+def barriers_in_elected_branches(source: str) -> list[tuple[int, str]]:
+    """(line number, line) of every thread barrier (`__syncthreads`, a named `bar.sync`) that the generated CUDA
+    places inside a branch only one thread takes. Such a barrier waits for threads that never reach it: a hang,
+    or a barrier that completes with another barrier's arrivals. TileLang's storage-sync pass puts one there
+    when a loop issues a TMA load into a shared buffer that other threads read earlier in the iteration and no
+    barrier it recognises (its own, or `T.sync_threads()` of the whole CTA) stands between them; an explicit
+    named barrier (`T.sync_threads(id, count)`) is not one it recognises (docs/kernels.md, "Thirtieth session").
+    Reads the brace structure TileLang's code generator writes: `{` ends the `if` line, one `}` per line."""
+    found, open_at, depth = [], [], 0
+    for number, line in enumerate(source.splitlines(), 1):
+        if ELECTED_BRANCH.search(line):
+            open_at.append(depth)
+        elif open_at and THREAD_BARRIER.search(line):
+            found.append((number, line.strip()))
+        depth += line.count("{") - line.count("}")
+        while open_at and depth <= open_at[-1]:
+            open_at.pop()
+    return found
 
 
 def cubin_registers(path: str) -> int | None:
@@ -131,6 +157,8 @@ def main():
     known = {k: v for k, v in limits.items() if v is not None}
     print("  CTAs per SM: " + ", ".join(f"{v} by {k}" for k, v in known.items())
           + (f" -> {min(known.values())}" if known else ""))
+    for number, line in barriers_in_elected_branches(source):
+        print(f"  HANG RISK: a barrier inside a one-thread branch, generated line {number}: {line}")
 
 
 if __name__ == "__main__":

@@ -3,7 +3,9 @@
 No GPU needed: a kernel that fails to lower or assemble fails here, on the CPU CI machine. Skips when
 tilelang or nvcc is not installed. Set TILELANG_CACHE_DIR to reuse the compiled kernels on a GPU.
 """
+import os
 import shutil
+import sys
 
 import pytest
 
@@ -12,6 +14,9 @@ pytestmark = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is no
 
 from flashqla.kernels.hopper import launch  # noqa: E402
 from parallel_compile import compile_all  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
+from kernel_resources import barriers_in_elected_branches  # noqa: E402
 
 CONFIGS = list(launch.kernel_configs())
 
@@ -36,6 +41,8 @@ def test_kernel_compiles_for_sm90a(compiled_in_parallel, builder, args):
         assert "wgmma" in source, "the tensor-core products must lower to Hopper WGMMA"
     if builder is launch.compiled_fused_fwd:
         assert_warp_specialised(source)
+    # a barrier only one thread reaches hangs the kernel (or completes with another barrier's arrivals)
+    assert not barriers_in_elected_branches(source), barriers_in_elected_branches(source)
 
 
 def assert_warp_specialised(source):
