@@ -10,7 +10,7 @@ the builder and its arguments (integers where they look like integers). Prints t
 (TileLang's planner lays buffers with disjoint lifetimes over each other), ptxas's spill stores and loads,
 and how many CTAs of it fit on one H200 SM by registers and by shared memory: the occupancy Nsight Compute
 would report, before any device time is spent (docs/kernels.md, "Occupancy"), and every thread barrier the
-generated CUDA places inside a one-thread branch (a hang on the device). `--source FILE` also writes the CUDA
+generated CUDA places where not all the threads it waits for can reach it (a hang on the device). `--source FILE` also writes the CUDA
 source TileLang generated, to read what a step lowered to.
 """
 from __future__ import annotations
@@ -49,26 +49,35 @@ def parse_build_args(raw) -> tuple:
 
 # the one-thread branches TileLang emits around a TMA issue (T.tma_copy, T.copy through TMA) or a thread-0 step
 ELECTED_BRANCH = re.compile(r"if \(tl::tl_shuffle_elect<\d+>\(\)\)|if \(\(\(int\)threadIdx\.x\) == \d+\)")
+# any branch on the thread index (a role's, or part of a tile's threads)
+THREAD_BRANCH = re.compile(r"^\s*(\} else )?if \(.*threadIdx")
 THREAD_BARRIER = re.compile(r"__syncthreads\(\)|__sync_thread_partial\(|\bbar\.sync\b|\bbarrier\.sync\b")
 
 
-def barriers_in_elected_branches(source: str) -> list[tuple[int, str]]:
-    """(line number, line) of every thread barrier (`__syncthreads`, a named `bar.sync`) that the generated CUDA
-    places inside a branch only one thread takes. Such a barrier waits for threads that never reach it: a hang,
-    or a barrier that completes with another barrier's arrivals. TileLang's storage-sync pass puts one there
-    when a loop issues a TMA load into a shared buffer that other threads read earlier in the iteration and no
-    barrier it recognises (its own, or `T.sync_threads()` of the whole CTA) stands between them; an explicit
-    named barrier (`T.sync_threads(id, count)`) is not one it recognises (docs/kernels.md, "Thirtieth session").
-    Reads the brace structure TileLang's code generator writes: `{` ends the `if` line, one `}` per line."""
-    found, open_at, depth = [], [], 0
+def barrier_hazards(source: str) -> list[tuple[int, str, str]]:
+    """(line number, line, why) of every thread barrier in the generated CUDA that waits for threads which
+    cannot reach it: any barrier inside a branch one thread takes, and a CTA-wide `__syncthreads()` inside any
+    branch on the thread index (an `else` included). Such a barrier hangs the kernel, or completes with the
+    arrivals of another barrier. TileLang 0.1.15 generates both: its storage-sync pass puts a barrier inside the
+    one-thread TMA branch when the load's coordinates read shared memory written elsewhere in the loop, and
+    inside a half-CTA branch when a per-row register fragment gets a layout that leaves half the threads idle
+    (docs/kernels.md, "Thirtieth session"). Reads the brace structure TileLang's code generator writes: `{`
+    ends the `if` line, one `}` per line."""
+    found, elected, branched, depth = [], [], [], 0
     for number, line in enumerate(source.splitlines(), 1):
         if ELECTED_BRANCH.search(line):
-            open_at.append(depth)
-        elif open_at and THREAD_BARRIER.search(line):
-            found.append((number, line.strip()))
+            elected.append(depth)
+        elif THREAD_BRANCH.search(line):
+            branched.append(depth - line.lstrip().startswith("}"))  # `} else if`: the chain's own depth
+        elif THREAD_BARRIER.search(line):
+            if elected:
+                found.append((number, line.strip(), "inside a branch one thread takes"))
+            elif branched and "__syncthreads()" in line:
+                found.append((number, line.strip(), "a CTA-wide barrier inside a branch on the thread index"))
         depth += line.count("{") - line.count("}")
-        while open_at and depth <= open_at[-1]:
-            open_at.pop()
+        for opened in (elected, branched):
+            while opened and depth <= opened[-1]:
+                opened.pop()
     return found
 
 
@@ -157,8 +166,8 @@ def main():
     known = {k: v for k, v in limits.items() if v is not None}
     print("  CTAs per SM: " + ", ".join(f"{v} by {k}" for k, v in known.items())
           + (f" -> {min(known.values())}" if known else ""))
-    for number, line in barriers_in_elected_branches(source):
-        print(f"  HANG RISK: a barrier inside a one-thread branch, generated line {number}: {line}")
+    for number, line, why in barrier_hazards(source):
+        print(f"  HANG RISK: generated line {number}, {why}: {line}")
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
 
-from kernel_resources import barriers_in_elected_branches  # noqa: E402
+from kernel_resources import barrier_hazards  # noqa: E402
 
 # a TMA issue in a loop, as TileLang 0.1.15 generated it for the persistent chunk_bwd_local variant: the
 # storage-sync pass put the gradients warpgroup's barrier inside the branch one thread takes
@@ -25,9 +25,37 @@ ELECTED_WITH_BARRIER = """\
       tl::__sync_thread_partial(4, 128);
 """
 
-# the same issue with the barrier before the branch, and a thread-0 branch holding only an mbarrier arrive
+# a per-row register fragment to which TileLang's layout inference gave half the threads (chunk_w with beta
+# gamma read into registers): the storage-sync pass then put a CTA-wide barrier inside the half's branch
+HALF_CTA_WITH_BARRIER = """\
+    beta_gamma[0] = ((float*)beta_gamma_sh)[(((int)threadIdx.x) & 63)];
+    if ((((int)threadIdx.x) >> 6) == 0) {
+      #pragma unroll
+      for (int i_2 = 0; i_2 < 16; ++i_2) {
+        bfloat16_t K_sh_local_cast[8];
+        __syncthreads();
+        *(uint4*)(K_sh_local_cast + 0) = *(uint4*)(((bfloat16_t*)K_sh) + i_2 * 512);
+      }
+    } else {
+      __syncthreads();
+    }
+    __syncthreads();
+"""
+
+# the same TMA issue with the barrier before the branch, a thread-0 branch holding only an mbarrier arrive, and
+# role branches (warpgroups) with their own named barriers
 BARRIER_OUTSIDE = """\
+    if (((int)threadIdx.x) < 128) {
+      tl::__sync_thread_partial(3, 128);
+    } else {
       tl::__sync_thread_partial(4, 128);
+      if (tl::tl_shuffle_elect<128>()) {
+        q_full[0].expect_transaction(16384);
+        tl::tma_load(q_desc, q_full[0], Q_s, 0, t0, hv);
+      }
+      q_full[0].arrive();
+    }
+    tl::__sync_thread_partial(4, 128);
       if (tl::tl_shuffle_elect<128>()) {
         q_full[0].expect_transaction(16384);
         tl::tma_load(q_desc, q_full[0], Q_s, 0, t0, hv);
@@ -41,10 +69,16 @@ BARRIER_OUTSIDE = """\
 
 
 def test_a_barrier_inside_a_one_thread_branch_is_found_with_its_line():
-    assert barriers_in_elected_branches(ELECTED_WITH_BARRIER) == [(7, "tl::__sync_thread_partial(4, 128);")]
+    one = "inside a branch one thread takes"
+    assert barrier_hazards(ELECTED_WITH_BARRIER) == [(7, "tl::__sync_thread_partial(4, 128);", one)]
     thread_zero = "if (((int)threadIdx.x) == 0) {\n  x = 1;\n  {\n    __syncthreads();\n  }\n}\n__syncthreads();\n"
-    assert barriers_in_elected_branches(thread_zero) == [(4, "__syncthreads();")]
+    assert barrier_hazards(thread_zero) == [(4, "__syncthreads();", one)]
 
 
-def test_barriers_outside_one_thread_branches_pass():
-    assert barriers_in_elected_branches(BARRIER_OUTSIDE) == []
+def test_a_cta_barrier_inside_a_branch_on_the_thread_index_is_found_in_either_arm():
+    why = "a CTA-wide barrier inside a branch on the thread index"
+    assert barrier_hazards(HALF_CTA_WITH_BARRIER) == [(6, "__syncthreads();", why), (10, "__syncthreads();", why)]
+
+
+def test_barriers_every_waited_thread_reaches_pass():
+    assert barrier_hazards(BARRIER_OUTSIDE) == []
