@@ -8,10 +8,11 @@ The first argument is a module of flashqla.kernels.hopper or a file holding a va
 the builder and its arguments (integers where they look like integers). Prints the registers per thread
 (read from the cubin TileLang wrote), the dynamic shared memory and where each shared buffer starts
 (TileLang's planner lays buffers with disjoint lifetimes over each other), ptxas's spill stores and loads,
-and how many CTAs of it fit on one H200 SM by registers and by shared memory: the occupancy Nsight Compute
-would report, before any device time is spent (docs/kernels.md, "Occupancy"), and every thread barrier the
-generated CUDA places where not all the threads it waits for can reach it (a hang on the device). `--source FILE` also writes the CUDA
-source TileLang generated, to read what a step lowered to.
+the 64-bit integer divisions in the PTX (each a call of a division routine in SASS),
+how many CTAs of it fit on one H200 SM by registers and by shared memory (the occupancy Nsight Compute would
+report, before any device time is spent; docs/kernels.md, "Occupancy"), and every thread barrier the generated
+CUDA places where not all the threads it waits for can reach it (a hang on the device). `--source FILE` also
+writes the CUDA source TileLang generated, to read what a step lowered to.
 """
 from __future__ import annotations
 
@@ -139,15 +140,21 @@ def main():
         from flashqla.kernels.hopper import launch
 
         prim_func = load_builder(target, builder)(*args)
-        configs = {**launch._pass_configs(), "tl.device_compile_flags": ["--ptxas-options=--verbose"]}
+        keep = os.path.join(cache, "nvcc")  # nvcc's intermediates, the PTX among them
+        os.makedirs(keep)
+        configs = {**launch._pass_configs(),
+                   "tl.device_compile_flags": ["--ptxas-options=--verbose", "--keep", f"--keep-dir={keep}"]}
         kernel, spills = ptxas_report(lambda: tilelang.compile(prim_func, target=launch.TARGET, pass_configs=configs))
         source = kernel.get_kernel_source()
+        ptx = "".join(open(p).read() for p in glob.glob(f"{keep}/*.ptx"))
         if source_path:
             with open(source_path, "w") as out:
                 out.write(source)
         threads = [int(x) for x in re.findall(r"__launch_bounds__\((\d+)", source)[:1]] or [0]
         host = "".join(open(p).read() for p in glob.glob(f"{cache}/**/host_kernel.cu", recursive=True))
-        shared = max([int(x) for x in re.findall(r"\b(\d{3,6})\b", host) if int(x) % 256 == 0] or [0])
+        # the launch's last argument before the kernel handle is looked up: its dynamic shared memory
+        launch_args = host.split("_kernel_packed == NULL")[0]
+        shared = ([int(x) for x in re.findall(r"v_int64\) = \(\(int64_t\)(\d+)\)", launch_args)] or [0])[-1]
         cubins = glob.glob(f"{cache}/**/*.cubin", recursive=True)
         registers = cubin_registers(cubins[0]) if cubins else None
     layout = re.findall(r"void\* (\w+) = \(\(void\*\)\(\(char\*\)buf_dyn_shmem \+ (\d+)\)\)", source)
@@ -166,6 +173,10 @@ def main():
     known = {k: v for k, v in limits.items() if v is not None}
     print("  CTAs per SM: " + ", ".join(f"{v} by {k}" for k, v in known.items())
           + (f" -> {min(known.values())}" if known else ""))
+    # 64-bit integer division lowers to a called routine (SASS CALL): a few for a CTA's indices are normal, one
+    # inside a loop's index arithmetic is the trap of docs/kernels.md, "Twenty-ninth session"
+    divisions = len(re.findall(r"\b(?:div|rem)\.[su]64\b", ptx))
+    print(f"  64-bit integer divisions in the PTX: {divisions}" if ptx else "  PTX: not kept by this nvcc")
     for number, line, why in barrier_hazards(source):
         print(f"  HANG RISK: generated line {number}, {why}: {line}")
 
