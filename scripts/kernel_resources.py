@@ -8,7 +8,8 @@ The first argument is a module of flashqla.kernels.hopper or a file holding a va
 the builder and its arguments (integers where they look like integers). Prints the registers per thread
 (read from the cubin TileLang wrote), the dynamic shared memory and where each shared buffer starts
 (TileLang's planner lays buffers with disjoint lifetimes over each other), ptxas's spill stores and loads,
-the 64-bit integer divisions in the PTX (each a call of a division routine in SASS),
+the 64-bit integer divisions in the PTX (each a call of a division routine in SASS), the barriers inside
+fully unrolled loops (one per step of an elementwise pass),
 how many CTAs of it fit on one H200 SM by registers and by shared memory (the occupancy Nsight Compute would
 report, before any device time is spent; docs/kernels.md, "Occupancy"), and every thread barrier the generated
 CUDA places where not all the threads it waits for can reach it (a hang on the device). `--source FILE` also
@@ -79,6 +80,27 @@ def barrier_hazards(source: str) -> list[tuple[int, str, str]]:
         for opened in (elected, branched):
             while opened and depth <= opened[-1]:
                 opened.pop()
+    return found
+
+
+def barriers_in_unrolled_loops(source: str) -> list[tuple[int, str]]:
+    """(line number, line) of every thread barrier inside a fully unrolled loop (`#pragma unroll` before the
+    `for`) of the generated CUDA: a barrier in every step of what is usually an elementwise pass over a tile.
+    TileLang's storage-sync pass puts one there when such a pass reads a small shared array (a per-row scale)
+    it cannot prove unchanged between steps: 125 barriers against 34 in a `chunk_bwd_local` variant
+    (docs/kernels.md, "Twenty-ninth session"). Not always wrong (an in-place pass whose threads' read and write
+    layouts differ needs it), but never cheap."""
+    found, open_at, depth, unroll_next = [], [], 0, False
+    for number, line in enumerate(source.splitlines(), 1):
+        stripped = line.strip()
+        if unroll_next and stripped.startswith("for ("):
+            open_at.append(depth)
+        elif open_at and THREAD_BARRIER.search(line):
+            found.append((number, stripped))
+        unroll_next = stripped == "#pragma unroll"
+        depth += line.count("{") - line.count("}")
+        while open_at and depth <= open_at[-1]:
+            open_at.pop()
     return found
 
 
@@ -177,6 +199,9 @@ def main():
     # inside a loop's index arithmetic is the trap of docs/kernels.md, "Twenty-ninth session"
     divisions = len(re.findall(r"\b(?:div|rem)\.[su]64\b", ptx))
     print(f"  64-bit integer divisions in the PTX: {divisions}" if ptx else "  PTX: not kept by this nvcc")
+    in_loops = barriers_in_unrolled_loops(source)
+    print(f"  barriers inside unrolled loops: {len(in_loops)}" + (f" (first at generated line {in_loops[0][0]})"
+                                                                   if in_loops else ""))
     for number, line, why in barrier_hazards(source):
         print(f"  HANG RISK: generated line {number}, {why}: {line}")
 

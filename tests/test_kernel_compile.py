@@ -16,7 +16,7 @@ from flashqla.kernels.hopper import launch  # noqa: E402
 from parallel_compile import compile_all  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
-from kernel_resources import barrier_hazards  # noqa: E402
+from kernel_resources import barrier_hazards, barriers_in_unrolled_loops  # noqa: E402
 
 CONFIGS = list(launch.kernel_configs())
 
@@ -43,6 +43,11 @@ def test_kernel_compiles_for_sm90a(compiled_in_parallel, builder, args):
         assert_warp_specialised(source)
     # a barrier some of the threads it waits for never reach hangs the kernel (or completes with another's arrivals)
     assert not barrier_hazards(source), barrier_hazards(source)
+    # no barrier in every step of an elementwise pass (TileLang's storage-sync pass puts one there when the pass
+    # reads a per-row scale from shared memory: read it into registers first); chunk_w's in-place scaling of K
+    # by beta gamma keeps its one (8 steps, its register form gets a half-idle layout: docs/kernels.md)
+    allowed = 1 if builder is launch.compiled_chunk_w else 0
+    assert len(barriers_in_unrolled_loops(source)) <= allowed, barriers_in_unrolled_loops(source)
 
 
 def assert_warp_specialised(source):

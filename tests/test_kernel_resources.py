@@ -5,7 +5,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
 
-from kernel_resources import barrier_hazards  # noqa: E402
+from kernel_resources import barrier_hazards, barriers_in_unrolled_loops  # noqa: E402
 
 # a TMA issue in a loop, as TileLang 0.1.15 generated it for the persistent chunk_bwd_local variant: the
 # storage-sync pass put the gradients warpgroup's barrier inside the branch one thread takes
@@ -82,3 +82,22 @@ def test_a_cta_barrier_inside_a_branch_on_the_thread_index_is_found_in_either_ar
 
 def test_barriers_every_waited_thread_reaches_pass():
     assert barrier_hazards(BARRIER_OUTSIDE) == []
+
+
+def test_a_barrier_in_every_step_of_an_unrolled_pass_is_found():
+    # the TMA issue above: its box loop is unrolled, the barrier in it is found by both checks
+    assert barriers_in_unrolled_loops(ELECTED_WITH_BARRIER) == [(7, "tl::__sync_thread_partial(4, 128);")]
+    per_row = """\
+    #pragma unroll
+    for (int i = 0; i < 32; ++i) {
+      tl::__sync_thread_partial(3, 128);
+      V_s[i * 128 + threadIdx.x] = beta_sh[i] * KS[i];
+    }
+    tl::__sync_thread_partial(3, 128);
+    for (int c = 0; c < n_chunks; ++c) {
+      tl::__sync_thread_partial(3, 128);
+    }
+"""
+    # the rolled loop (a walk over chunks) and the barrier after the pass are not findings
+    assert barriers_in_unrolled_loops(per_row) == [(3, "tl::__sync_thread_partial(3, 128);")]
+    assert barriers_in_unrolled_loops(BARRIER_OUTSIDE) == []
