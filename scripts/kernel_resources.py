@@ -104,6 +104,15 @@ def barriers_in_unrolled_loops(source: str) -> list[tuple[int, str]]:
     return found
 
 
+def launch_shared_memory(host: str, threads: int) -> int:
+    """Dynamic shared memory of the kernel's launch in TileLang's host code: the launch's integer arguments end
+    with the block (threads, 1, 1) and then the dynamic shared memory, left out when there is none."""
+    launch_args = host.split("_kernel_packed == NULL")[0]
+    values = [int(x) for x in re.findall(r"v_int64\) = \(\(int64_t\)(\d+)\)", launch_args)]
+    blocks = [i for i in range(len(values) - 2) if values[i:i + 3] == [threads, 1, 1]]
+    return values[blocks[-1] + 3] if blocks and blocks[-1] + 3 < len(values) else 0
+
+
 def cubin_registers(path: str) -> int | None:
     """Registers per thread of the kernel in a cubin: the EIATTR_REGCOUNT record (attribute 0x2f, format
     EIFMT_SVAL) of its .nv.info section, what `cuobjdump --dump-resource-usage` prints as REG."""
@@ -168,15 +177,13 @@ def main():
                    "tl.device_compile_flags": ["--ptxas-options=--verbose", "--keep", f"--keep-dir={keep}"]}
         kernel, spills = ptxas_report(lambda: tilelang.compile(prim_func, target=launch.TARGET, pass_configs=configs))
         source = kernel.get_kernel_source()
+        threads = [int(x) for x in re.findall(r"__launch_bounds__\((\d+)", source)[:1]] or [0]
         ptx = "".join(open(p).read() for p in glob.glob(f"{keep}/*.ptx"))
         if source_path:
             with open(source_path, "w") as out:
                 out.write(source)
-        threads = [int(x) for x in re.findall(r"__launch_bounds__\((\d+)", source)[:1]] or [0]
         host = "".join(open(p).read() for p in glob.glob(f"{cache}/**/host_kernel.cu", recursive=True))
-        # the launch's last argument before the kernel handle is looked up: its dynamic shared memory
-        launch_args = host.split("_kernel_packed == NULL")[0]
-        shared = ([int(x) for x in re.findall(r"v_int64\) = \(\(int64_t\)(\d+)\)", launch_args)] or [0])[-1]
+        shared = launch_shared_memory(host, threads[0])
         cubins = glob.glob(f"{cache}/**/*.cubin", recursive=True)
         registers = cubin_registers(cubins[0]) if cubins else None
     layout = re.findall(r"void\* (\w+) = \(\(void\*\)\(\(char\*\)buf_dyn_shmem \+ (\d+)\)\)", source)

@@ -5,7 +5,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
 
-from kernel_resources import barrier_hazards, barriers_in_unrolled_loops  # noqa: E402
+from kernel_resources import barrier_hazards, barriers_in_unrolled_loops, launch_shared_memory  # noqa: E402
 
 # a TMA issue in a loop, as TileLang 0.1.15 generated it for the persistent chunk_bwd_local variant: the
 # storage-sync pass put the gradients warpgroup's barrier inside the branch one thread takes
@@ -101,3 +101,17 @@ def test_a_barrier_in_every_step_of_an_unrolled_pass_is_found():
     # the rolled loop (a walk over chunks) and the barrier after the pass are not findings
     assert barriers_in_unrolled_loops(per_row) == [(3, "tl::__sync_thread_partial(3, 128);")]
     assert barriers_in_unrolled_loops(BARRIER_OUTSIDE) == []
+
+
+def host_launch(values):
+    """The tail of a TileLang host launch: its integer arguments, then the terminator and the handle lookup."""
+    lines = [f"  (((TVMFFIAny*)stack_ffi_any)[{i}].v_int64) = ((int64_t){v});" for i, v in enumerate(values)]
+    return "\n".join(lines + ["  (((TVMFFIAny*)stack_ffi_any)[99].v_int64) = (int64_t)0;",
+                               "  if (k_kernel_packed == NULL) {"])
+
+
+def test_dynamic_shared_memory_is_the_argument_after_the_block_or_none():
+    # persistent grid (132, 1, 1), block (256, 1, 1), 217408 bytes: not a multiple of 256
+    assert launch_shared_memory(host_launch([16384, 32768, 132, 1, 1, 256, 1, 1, 217408]), 256) == 217408
+    # grid (2, 128, 1) whose 128 is no block; no dynamic shared memory: the argument is left out
+    assert launch_shared_memory(host_launch([2, 128, 1, 128, 1, 1]), 128) == 0
