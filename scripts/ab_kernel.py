@@ -5,11 +5,11 @@
     # on the H200 (the committed kernels prebuilt, DIR merged into TILELANG_CACHE_DIR or given as --cache):
     python3 scripts/ab_kernel.py run wy_inverse path/to/variant.py build_wy_inverse bfloat16 False \\
         --configs 16:64:8192x4,2:8:32768x1 [--intra-cp off] [--reps 20]
-    # a previous version of a kernel whose builder takes other arguments (here the one before a build argument
-    # was added): the launch is recorded with the committed builder's arguments, the variant built with these
-    git show main:kernels/hopper/chunk_bwd_local.py > devrun/cbl_main.py
-    python3 scripts/ab_kernel.py run chunk_bwd_local devrun/cbl_main.py build_chunk_bwd_local bfloat16 132 \
-        --variant-args bfloat16
+    # a previous version of a kernel whose builder takes other build arguments (--variant-args), or fewer runtime
+    # arguments (--variant-takes: the first N of the recorded launch's; here the one before a trailing scalar)
+    git show main:kernels/hopper/chunk_bwd_local.py > .devvar/cbl_main.py
+    python3 scripts/ab_kernel.py run chunk_bwd_local .devvar/cbl_main.py build_chunk_bwd_local bfloat16 \\
+        --variant-takes 18
 
 KERNEL names `launch.compiled_<KERNEL>`, the builder's arguments (integers, True/False, strings) are its
 build arguments. For every config (Hqk:Hv:tokens-per-sequence x sequences, bench_gdn's model-like inputs),
@@ -169,6 +169,11 @@ def ab(kernel, build_args, variants, configs, make_inputs, intra_cp="off", reps=
     return rows
 
 
+def first_arguments(kernel, count):
+    """`kernel` called with the first `count` of the arguments it is given."""
+    return lambda *args: kernel(*args[:count])
+
+
 def compile_variant(path, builder, build_args):
     """The variant, built with the package's pass configs plus those in AB_PASS_CONFIGS (a JSON object, e.g.
     '{"tl.disable_thread_storage_sync": true}'; set it alike where the variant is compiled and where it runs,
@@ -191,7 +196,9 @@ def main(argv=None):
     ap.add_argument("--intra-cp", default="off")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--variant-args", default=None, help="run: build the variants with these arguments "
-                    "(comma- or space-separated) instead of the committed kernel's; the runtime arguments must be the same")
+                    "(comma- or space-separated) instead of the committed kernel's")
+    ap.add_argument("--variant-takes", type=int, default=None, help="run: the variants take the first N runtime "
+                    "arguments of the recorded launch (a kernel before trailing arguments were added)")
     opts = ap.parse_args(argv)
     if opts.cache:
         os.environ["TILELANG_CACHE_DIR"] = os.path.abspath(opts.cache)
@@ -206,6 +213,8 @@ def main(argv=None):
 
     variant_args = build_args if opts.variant_args is None else parse_build_args(opts.variant_args.replace(",", " ").split())
     variants = {os.path.basename(p): compile_variant(p, builder, variant_args) for p in path.split(",")}
+    if opts.variant_takes is not None:
+        variants = {name: first_arguments(kernel, opts.variant_takes) for name, kernel in variants.items()}
     intra_cp = opts.intra_cp if opts.intra_cp in ("off", "auto") else int(opts.intra_cp)
     ab(kernel, build_args, variants, [parse_config(c) for c in opts.configs.split(",")], make_inputs, intra_cp,
        opts.reps)

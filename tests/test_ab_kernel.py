@@ -117,3 +117,34 @@ def test_variant_args_build_the_variant_differently_from_the_recorded_launch(mon
     built.clear()
     ab_kernel.main(["run", "chunk_bwd_local", "same.py", "build_chunk_bwd_local", "bfloat16", "--configs", "2:4:64x1"])
     assert built == [("bfloat16",)]
+
+
+def test_variant_takes_passes_the_first_runtime_arguments(monkeypatch):
+    calls = []
+    monkeypatch.setattr(ab_kernel, "compile_variant", lambda path, builder, args: lambda *a: calls.append(a))
+    monkeypatch.setattr(ab_kernel, "ab", lambda kernel, build_args, variants, *rest, **kw: variants["old.py"](1, 2, 3))
+    ab_kernel.main(["run", "chunk_bwd_local", "old.py", "build_chunk_bwd_local", "bfloat16", "--variant-takes", "2"])
+    ab_kernel.main(["run", "chunk_bwd_local", "old.py", "build_chunk_bwd_local", "bfloat16"])
+    assert calls == [(1, 2), (1, 2, 3)]
+
+
+def test_a_variant_lacking_the_last_runtime_argument_compares_on_the_others(emulated, monkeypatch):
+    # the committed wy_inverse against "a previous version" that lacks its last runtime argument and takes the
+    # rest: first_arguments gives it the recorded launch's others, and it agrees exactly
+    seen = {}
+    real_record = ab_kernel.record_launch
+
+    def previous(*args):
+        seen["count"] = len(args)
+        kernel_emulator.emulate_wy_inverse(*args, seen["last"])
+
+    def record(kernel, build_args, run):
+        committed, args = real_record(kernel, build_args, run)
+        seen.update(last=args[-1], total=len(args))
+        return committed, args
+
+    monkeypatch.setattr(ab_kernel, "record_launch", record)
+    rows = ab_kernel.ab("wy_inverse", ("bfloat16",), {"previous": ab_kernel.first_arguments(previous, -1)},
+                        CONFIGS[:1], cpu_inputs, log=lambda line: None)
+    assert seen["count"] == seen["total"] - 1
+    assert all(err == 0 and unwritten == 0 for err, unwritten in rows[0]["outputs"].values()), rows
