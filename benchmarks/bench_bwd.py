@@ -14,11 +14,14 @@ tensors.
         [--graphs] [--out docs/benchmarks_bwd.md]
 
 FlashQLA 0.1.3 JIT-compiles its backward for minutes on first use per configuration: on a short device
-session carry its kernels prebuilt on a CPU machine (benchmarks/peer_cache/, which covers this matrix).
+session carry its kernels prebuilt on a CPU machine (benchmarks/peer_cache/, which covers this matrix), and pass
+--refuse-peer-jit: a configuration whose FlashQLA kernel the cache lacks then fails at once (a note in the
+report) instead of compiling for up to two minutes.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import math
 import os
@@ -55,6 +58,28 @@ def forward_fn(impl):
 
         return lambda q, k, v, g, beta, cu: flash_qla.chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens=as_int64(cu))[0]
     raise ValueError(impl)
+
+
+class JITRefused(RuntimeError):
+    """A TileLang kernel was about to be compiled where only cached kernels are allowed."""
+
+
+@contextlib.contextmanager
+def tilelang_compiles_refused(who: str):
+    """Inside, a TileLang kernel that is not in the disk cache raises JITRefused instead of compiling (loads from
+    the cache are unaffected): a peer whose carried kernels miss a configuration fails in a second."""
+    from tilelang.jit.kernel import JITKernel
+
+    compile_kernel = JITKernel._compile_and_create_adapter
+
+    def refuse(self, *args, **kwargs):
+        raise JITRefused(f"{who}: a TileLang kernel is not in the cache (it would JIT-compile)")
+
+    JITKernel._compile_and_create_adapter = refuse
+    try:
+        yield
+    finally:
+        JITKernel._compile_and_create_adapter = compile_kernel
 
 
 def time_impl(fwd, inputs, do, reps, graphs=False, notes=None, label=""):
@@ -105,6 +130,8 @@ def main():
     ap.add_argument("--quick", action="store_true", help="(16,32) and (2,4) at 8K and 32K, one sequence")
     ap.add_argument("--graphs", action="store_true", help="time CUDA-graph replays (GPU time) instead of eager runs")
     ap.add_argument("--heads", default=None, help="Hqk:Hv pairs of the matrix to run, e.g. 4:8,2:4 (default: all)")
+    ap.add_argument("--refuse-peer-jit", action="store_true",
+                    help="FlashQLA's configurations whose TileLang kernels are not cached fail instead of compiling")
     args = ap.parse_args()
     impls = args.impls.split(",")
     fns, notes = {}, []
@@ -127,7 +154,11 @@ def main():
                 for impl, fn in fns.items():
                     try:
                         start = time.perf_counter()
-                        row[impl] = time_impl(fn, inputs, do, args.reps, args.graphs, notes, f"{impl} ({Hqk},{Hv}) {T}x{n}")
+                        guard = (tilelang_compiles_refused(impl) if args.refuse_peer_jit and impl == "flash_qla"
+                                 else contextlib.nullcontext())
+                        with guard:
+                            row[impl] = time_impl(fn, inputs, do, args.reps, args.graphs, notes,
+                                                  f"{impl} ({Hqk},{Hv}) {T}x{n}")
                         seconds[impl] = round(time.perf_counter() - start, 1)
                         if seconds[impl] > 30:
                             notes.append(f"- {impl} ({Hqk},{Hv}) {T}x{n}: {seconds[impl]:.0f} s incl. JIT")

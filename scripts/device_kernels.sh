@@ -11,7 +11,9 @@
 #   profile: profile_gdn.py step (PROFILE_ARGS) and first-call in a fresh process on an empty cache
 #   layer: megatron_gdn_layer.py, Megatron's FLA GDN layer vs flashqla's (parity and time, 1 GPU; LAYER_ARGS, e.g.
 #          --profile 20), then flashqla's with the fused q/k L2 norm on, after its GPU test
-#   bwd:   bench_bwd.py --graphs (BWD_ARGS, e.g. --quick), flashqla vs FLA (FlashQLA's backward JIT-compiles for minutes: left out)
+#   bwd:   bench_bwd.py --graphs (BWD_ARGS, e.g. --quick), flashqla vs FLA; FlashQLA's backward JIT-compiles for
+#          minutes per shape, so add it only with its cache carried in .devpeer and BWD_ARGS="--impls
+#          flashqla_cp,flash_qla --refuse-peer-jit" (a shape the cache lacks then fails at once, noted in the report)
 #   walks: bench_walks.py, the two serial walks at every V tile width (calibrates launch.block_v_for)
 set -uo pipefail
 what=${1:-all}

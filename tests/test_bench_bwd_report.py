@@ -29,3 +29,43 @@ def test_report_gives_each_peer_ratio_per_row_and_geomeans(tmp_path):
 def test_chart_is_written(tmp_path):
     bench_bwd.plot(tmp_path / "bwd.png", ROWS, ["flashqla_cp", "fla", "flash_qla"])
     assert (tmp_path / "bwd.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_refused_jit_loads_cached_kernels_and_refuses_new_ones(tmp_path, monkeypatch):
+    """--refuse-peer-jit on a real TileLang compile (sm_90a, no GPU needed): a kernel already in the disk cache
+    loads inside the guard, one that is not raises at once, and compiling works again after it."""
+    import shutil
+    import time
+
+    import pytest
+
+    tilelang = pytest.importorskip("tilelang")
+    if shutil.which("nvcc") is None:
+        pytest.skip("nvcc is not on PATH")
+    import tilelang.language as T
+
+    from flashqla.kernels.hopper import launch
+
+    monkeypatch.setenv("TILELANG_CACHE_DIR", str(tmp_path))
+
+    def scaled(factor):
+        n = T.dynamic("n")
+
+        @T.prim_func
+        def scale(x: T.Tensor((n,), "float32")):
+            with T.Kernel(T.ceildiv(n, 128), threads=128) as (b,):
+                for i in T.Parallel(128):
+                    if b * 128 + i < n:
+                        x[b * 128 + i] = x[b * 128 + i] * factor
+        return scale
+
+    def build(factor):
+        return tilelang.compile(scaled(factor), target=launch.TARGET)
+
+    build(2.0)  # into the cache
+    never_built = 3.0 + time.time_ns() % 10**6 / 10**7  # a kernel no earlier run (or shared cache) holds
+    with bench_bwd.tilelang_compiles_refused("peer"):
+        assert build(2.0) is not None  # a cache hit: loaded, not compiled
+        with pytest.raises(bench_bwd.JITRefused, match="peer: a TileLang kernel is not in the cache"):
+            build(never_built)
+    assert build(never_built) is not None
