@@ -211,7 +211,8 @@ def main(argv=None):
     build_args = parse_build_args(raw)
     from bench_gdn import make_inputs
 
-    variant_args = build_args if opts.variant_args is None else parse_build_args(opts.variant_args.replace(",", " ").split())
+    variant_args = (build_args if opts.variant_args is None
+                    else parse_build_args(opts.variant_args.replace(",", " ").split()))
     variants = {os.path.basename(p): compile_variant(p, builder, variant_args) for p in path.split(",")}
     if opts.variant_takes is not None:
         variants = {name: first_arguments(kernel, opts.variant_takes) for name, kernel in variants.items()}

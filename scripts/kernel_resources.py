@@ -56,6 +56,32 @@ THREAD_BRANCH = re.compile(r"^\s*(\} else )?if \(.*threadIdx")
 THREAD_BARRIER = re.compile(r"__syncthreads\(\)|__sync_thread_partial\(|\bbar\.sync\b|\bbarrier\.sync\b")
 
 
+def _lines_in_blocks(source: str, block_kind):
+    """(line number, line, kinds of the enclosing blocks) for every line of generated CUDA that opens none of the
+    blocks `block_kind(line, previous line)` names (None: not one of them). Reads the brace structure TileLang's
+    code generator writes: `{` ends the line that opens a block, one `}` per line (`} else if (...) {` opens its
+    arm at the chain's own depth)."""
+    open_blocks, depth, previous = [], 0, ""
+    for number, line in enumerate(source.splitlines(), 1):
+        kind = block_kind(line, previous)
+        if kind:
+            open_blocks.append((depth - line.lstrip().startswith("}"), kind))
+        else:
+            yield number, line, [kind for _, kind in open_blocks]
+        depth += line.count("{") - line.count("}")
+        while open_blocks and depth <= open_blocks[-1][0]:
+            open_blocks.pop()
+        previous = line.strip()
+
+
+def _thread_branch(line, previous):
+    return "elected" if ELECTED_BRANCH.search(line) else "threads" if THREAD_BRANCH.search(line) else None
+
+
+def _unrolled_loop(line, previous):
+    return "unrolled" if previous == "#pragma unroll" and line.lstrip().startswith("for (") else None
+
+
 def barrier_hazards(source: str) -> list[tuple[int, str, str]]:
     """(line number, line, why) of every thread barrier in the generated CUDA that waits for threads which
     cannot reach it: any barrier inside a branch one thread takes, and a CTA-wide `__syncthreads()` inside any
@@ -63,23 +89,15 @@ def barrier_hazards(source: str) -> list[tuple[int, str, str]]:
     arrivals of another barrier. TileLang 0.1.15 generates both: its storage-sync pass puts a barrier inside the
     one-thread TMA branch when the load's coordinates read shared memory written elsewhere in the loop, and
     inside a half-CTA branch when a per-row register fragment gets a layout that leaves half the threads idle
-    (docs/kernels.md, "Thirtieth session"). Reads the brace structure TileLang's code generator writes: `{`
-    ends the `if` line, one `}` per line."""
-    found, elected, branched, depth = [], [], [], 0
-    for number, line in enumerate(source.splitlines(), 1):
-        if ELECTED_BRANCH.search(line):
-            elected.append(depth)
-        elif THREAD_BRANCH.search(line):
-            branched.append(depth - line.lstrip().startswith("}"))  # `} else if`: the chain's own depth
-        elif THREAD_BARRIER.search(line):
-            if elected:
-                found.append((number, line.strip(), "inside a branch one thread takes"))
-            elif branched and "__syncthreads()" in line:
-                found.append((number, line.strip(), "a CTA-wide barrier inside a branch on the thread index"))
-        depth += line.count("{") - line.count("}")
-        for opened in (elected, branched):
-            while opened and depth <= opened[-1]:
-                opened.pop()
+    (docs/kernels.md, "Thirtieth session")."""
+    found = []
+    for number, line, inside in _lines_in_blocks(source, _thread_branch):
+        if not THREAD_BARRIER.search(line):
+            continue
+        if "elected" in inside:
+            found.append((number, line.strip(), "inside a branch one thread takes"))
+        elif inside and "__syncthreads()" in line:
+            found.append((number, line.strip(), "a CTA-wide barrier inside a branch on the thread index"))
     return found
 
 
@@ -90,18 +108,8 @@ def barriers_in_unrolled_loops(source: str) -> list[tuple[int, str]]:
     it cannot prove unchanged between steps: 125 barriers against 34 in a `chunk_bwd_local` variant
     (docs/kernels.md, "Twenty-ninth session"). Not always wrong (an in-place pass whose threads' read and write
     layouts differ needs it), but never cheap."""
-    found, open_at, depth, unroll_next = [], [], 0, False
-    for number, line in enumerate(source.splitlines(), 1):
-        stripped = line.strip()
-        if unroll_next and stripped.startswith("for ("):
-            open_at.append(depth)
-        elif open_at and THREAD_BARRIER.search(line):
-            found.append((number, stripped))
-        unroll_next = stripped == "#pragma unroll"
-        depth += line.count("{") - line.count("}")
-        while open_at and depth <= open_at[-1]:
-            open_at.pop()
-    return found
+    return [(number, line.strip()) for number, line, inside in _lines_in_blocks(source, _unrolled_loop)
+            if inside and THREAD_BARRIER.search(line)]
 
 
 def launch_shared_memory(host: str, threads: int) -> int:

@@ -55,16 +55,10 @@ BARRIER_OUTSIDE = """\
       }
       q_full[0].arrive();
     }
-    tl::__sync_thread_partial(4, 128);
-      if (tl::tl_shuffle_elect<128>()) {
-        q_full[0].expect_transaction(16384);
-        tl::tma_load(q_desc, q_full[0], Q_s, 0, t0, hv);
-      }
-      q_full[0].arrive();
-      if (((int)threadIdx.x) == 0) {
-        done[0].arrive();
-      }
-      __syncthreads();
+    if (((int)threadIdx.x) == 0) {
+      done[0].arrive();
+    }
+    __syncthreads();
 """
 
 
