@@ -190,11 +190,15 @@ def emulate_chunk_dstates(q, k, w, GA, beta, do, gcum, cu, offsets, dht, dh_out,
 
 
 def emulate_chunk_bwd_local(q, k, v, do, GA, gcum, beta, h, dh, cu, offsets, dq, dk, dv, dg, dbeta, scale,
-                            search_steps):
+                            search_steps, num_ctas):
     """reference.chunk_backward per chunk on its zero-padded rows (the kernel's masking), dg summed; its A is
     GA / Gamma (0 where Gamma underflows: those entries of GA are 0 and reach no gradient term beyond it)."""
+    from flashqla.kernels.hopper import launch
     from flashqla.ops import reference
 
+    # persistent: one CTA per SM takes every num_ctas-th chunk; the host passes the device's SM count
+    if num_ctas != launch._sm_count(0):
+        raise ValueError(f"chunk_bwd_local launched with {num_ctas} CTAs on a device of {launch._sm_count(0)} SMs")
     hk = _qk_heads(q.shape[1], v.shape[1])
     for n, c, t0, rows in _chunks(cu):
         one = lambda t, heads=None: _rows(t, t0, rows, heads)[None, None]  # noqa: E731  [1, 1, Hv, C, ...]

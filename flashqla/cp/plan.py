@@ -9,7 +9,7 @@ import functools
 import math
 from dataclasses import dataclass
 
-from ..kernels.hopper.launch import _sm_count_on  # the SM count the kernels' tile choices read
+from ..kernels.hopper.launch import sm_count_on  # the SM count the kernels' tile choices read
 from ..ops.layout import CHUNK
 
 
@@ -130,8 +130,8 @@ def resolve_segment_chunks(intra_cp, lengths: tuple[int, ...], heads: int, devic
         if backend == "tilelang":
             if device.type != "cuda":  # the emulated kernels of the CPU tests: the H200 the rule was fitted on
                 return calibrated_segment_chunks(lengths, heads)
-            return calibrated_segment_chunks(lengths, heads, _sm_count_on(device))
+            return calibrated_segment_chunks(lengths, heads, sm_count_on(device))
         if device.type != "cuda":
             return 0
-        return auto_segment_chunks(lengths, heads, _sm_count_on(device))
+        return auto_segment_chunks(lengths, heads, sm_count_on(device))
     return int(intra_cp)

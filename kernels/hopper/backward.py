@@ -23,8 +23,8 @@ import functools
 import torch
 
 from .launch import (HEAD_DIM, ChunkedCall, block_v_on, compiled_chunk_bwd_local, compiled_chunk_dstates,
-                     compiled_gqa_sum, fused_states, prepare, prepare_from_kept, walk_forms_w, walk_w,
-                     walks_fill)
+                     compiled_gqa_sum, fused_states, prepare, prepare_from_kept, sm_count_on, walk_forms_w,
+                     walk_w, walks_fill)
 
 
 @functools.lru_cache(maxsize=None)
@@ -117,7 +117,7 @@ def backward_of(x: ChunkedCall, q, k, v, g, beta, do, scale, h0, dht):
     dbeta = torch.empty(B * T, Hv, dtype=torch.float32, device=device)
     compiled_chunk_bwd_local(x.dtype)(
         x.q, x.k, v.reshape(B * T, Hv, D), do, x.GA, x.gcum, x.beta, h, dh, x.cu,
-        x.offsets, dq, dk, dv, dg, dbeta, scale, x.num_seqs.bit_length())
+        x.offsets, dq, dk, dv, dg, dbeta, scale, x.num_seqs.bit_length(), sm_count_on(device))
     del h, dh  # the per-chunk states and their gradients, before the GQA sums allocate
 
     if Hv != Hqk:  # v-head h read k-head h // (Hv / Hqk): sum each group, accumulating in fp32

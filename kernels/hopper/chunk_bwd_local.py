@@ -1,7 +1,7 @@
 """Chunk-local gradients of GDN (docs/algorithm.md, "Chunked backward"), every chunk at once.
 
 The TileLang form of `flashqla.ops.reference.chunk_backward`, step for step and with its names, for one
-chunk and one v-head per CTA. Given the state entering the chunk (S, the backward's state recompute) and the
+chunk and one v-head at a time (a work item). Given the state entering the chunk (S, the backward's state recompute) and the
 gradient of the state leaving it (dS, from `chunk_dstates`), with dOs = scale dO:
 
     Vd      = V - diag(gamma) K S                  V_new = (Gamma o A) diag(beta) Vd
@@ -33,13 +33,24 @@ Inputs in the flat token layout of the forward: q, k [T, Hqk, 128] (v-head h rea
 and dOs [T, Hv, 128], GA = Gamma o A [T, Hv, 64] (wy_inverse's, the fused forward's operand; the forward
 keeps it for this kernel, and every A term above has an exact GA form, see the dL step), gcum [Hv, T]
 (natural log, converted to base 2 once, for exp2), the per-chunk states h and state gradients dh at chunk
-slots (fused_fwd's state recompute, chunk_dstates). CTA (slot, v-head) finds its sequence by binary search
-in `chunk_offsets` as wy_inverse does; in a partial last chunk the rows past the sequence end are zeroed
-after loading (they hold the next sequence) and their gates repeat the last one, which is exactly the zero
-padding of the reference's chunk grid. Outputs, rows that exist only: dq, dk, dv per v-head in the input
-dtype (the caller sums dq and dk over GQA groups, accumulating in fp32), dg [Hv, T] and dbeta in fp32. dq,
-dk and dv leave through shared memory (dq and dk through dO's tile once dO is read for the last time, dv
+slots (fused_fwd's state recompute, chunk_dstates). An item finds its sequence by binary search in
+`chunk_offsets` as wy_inverse does; in a partial last chunk the rows past the sequence end are zeroed after
+loading (they hold the next sequence) and their gates repeat the last one, which is exactly the zero padding
+of the reference's chunk grid. Outputs, rows that exist only: dq, dk, dv per v-head in the input dtype (the
+caller sums dq and dk over GQA groups, accumulating in fp32), dg [Hv, T] and dbeta in fp32. dq, dk and dv
+leave through shared memory (dq and dk through V_new's tile once both products that read it are done, dv
 through the tile that holds it for dk's last term), 16 bytes per thread and store.
+
+Persistent: `num_ctas` CTAs (one per SM: one fits by registers and shared memory) take every num_ctas-th
+item of the real chunks (chunk fastest), so that the next item's tiles load while this one computes. Each
+tile arrives by TMA on its own mbarrier, requested by the warpgroup that reads it last as soon as it is done
+with it: K into a second buffer at the item's start, Q, dS and dO once dq has left, V and GA near the end of
+the values chain, S after dVd S^T; the gates by plain loads early in the values chain, into a second buffer.
+Two TileLang traps shaped the loop (docs/kernels.md, "Twenty-ninth session"): per-item indices are locals
+(`T.alloc_var`) or read from `work_sh` (an expression such as `item // num_chunks` is inlined into every
+index, in int64, as a call to the 64-bit division routine), and the stores that scale a tile by beta read it
+from registers (`beta_rows`: read from shared memory there, the storage-sync pass put a barrier inside every
+iteration of those loops).
 
 The kernel reads dO itself: every product with dO feeds an elementwise fp32 step (the Gamma mask, the
 gamma rows, E_P), where `scale` is applied, so no scaled copy of dO is made. The term rowsum(dOs o diag(gamma)
@@ -64,8 +75,7 @@ between stages; 2026-12-02): 2175 -> 2035 us at (16, 32) x 4K x 8, 2179 -> 1994 
 Operands of the tensor-core products in the input dtype from shared memory, accumulators and the elementwise
 algebra in fp32. Every sum is a row sum, within a warp (TileLang's cross-warp reduction syncs on named
 barriers 1 and 2 in every warpgroup, so two warpgroups must not use it at once; here none does). Each
-warpgroup keeps at most three [64, 128] accumulators live (the order of the products is chosen for that):
-one CTA per SM by registers and shared memory.
+warpgroup keeps at most three [64, 128] accumulators live (the order of the products is chosen for that).
 
 Laid out for TileLang's layout inference, whose free-mode search is quadratic in the tile operators that
 share fragments (docs/kernels.md, "Fifteenth session"): fragments belong to one warpgroup and to few
@@ -84,6 +94,8 @@ VALUES_BARRIER, GRADS_BARRIER = 12, 13  # named barriers of one warpgroup (TileL
 
 
 def build_chunk_bwd_local(dtype: str):
+    """The kernel for input dtype `dtype`; the number of persistent CTAs (the SM count) is a runtime argument, so
+    one build serves every device."""
     num_tokens = T.dynamic("num_tokens")
     num_qk_heads = T.dynamic("num_qk_heads")
     num_v_heads = T.dynamic("num_v_heads")
@@ -91,10 +103,10 @@ def build_chunk_bwd_local(dtype: str):
     num_chunk_slots = T.dynamic("num_chunk_slots")
     C, D, WG = CHUNK, HEAD_DIM, WARPGROUP
 
-    def gamma_mask(gc_sh, r, s, strict):
+    def gamma_mask(gc_sh, buf, r, s, strict):
         """Gamma_rs = gamma_r / gamma_s on and below the diagonal (strictly below with `strict`), else 0. A select,
         not a branch: both sides are evaluated (above the diagonal the exponent may be large; it is discarded)."""
-        return T.Select(r > s if strict else r >= s, T.exp2(gc_sh[r] - gc_sh[s]), 0.0)
+        return T.Select(r > s if strict else r >= s, T.exp2(gc_sh[buf, r] - gc_sh[buf, s]), 0.0)
 
     @T.macro
     def store_rows(tile, out, t0, hv, n_rows):
@@ -102,6 +114,15 @@ def build_chunk_bwd_local(dtype: str):
         for r, j in T.Parallel(C, D):
             if r < n_rows:
                 out[t0 + r, hv, j] = tile[r, j]
+
+    @T.macro
+    def gates_of(gcum, beta, t0, n_rows, hv, gc_sh, beta_sh, buf):
+        """gc (base 2) and beta of the chunk of v-head hv at token t0 with n_rows rows into buffer `buf`, rows
+        past the sequence end as the reference's zero padding (the last gate repeated, beta 0)."""
+        last = T.max(n_rows - 1, 0)
+        for r in T.Parallel(C):
+            gc_sh[buf, r] = gcum[hv, t0 + T.min(r, last)] * LOG2E
+            beta_sh[buf, r] = T.if_then_else(r < n_rows, beta[t0 + T.min(r, last), hv], 0.0)
 
     @T.prim_func
     def chunk_bwd_local(
@@ -123,23 +144,26 @@ def build_chunk_bwd_local(dtype: str):
         dbeta: T.Tensor((num_tokens, num_v_heads), "float32"),
         scale: T.float32,
         search_steps: T.int32,
+        num_ctas: T.int32,
     ):
-        with T.Kernel(num_chunk_slots, num_v_heads, threads=2 * WG) as (chunk, hv):
-            hk = hv // (num_v_heads // num_qk_heads)
+        with T.Kernel(num_ctas, threads=2 * WG) as (cta,):
+            group = T.alloc_var("int32")
+            group = num_v_heads // num_qk_heads
             Q_s = T.alloc_shared((C, D), dtype)
-            K_s = T.alloc_shared((C, D), dtype)
-            dO_s = T.alloc_shared((C, D), dtype)  # dO; then dq and dk on their way out
+            K_s = T.alloc_shared((2, C, D), dtype)  # by item parity: the next item's K arrives during this one
+            dO_s = T.alloc_shared((C, D), dtype)
             S_s = T.alloc_shared((D, D), dtype)
             dS_s = T.alloc_shared((D, D), dtype)
             V_s = T.alloc_shared((C, D), dtype)  # V, then diag(beta) Vd
-            Vn_s = T.alloc_shared((C, D), dtype)  # V_new, values -> gradients
+            Vn_s = T.alloc_shared((C, D), dtype)  # V_new, values -> gradients; then dq and dk on their way out
             dVn_s = T.alloc_shared((C, D), dtype)  # dV_new, then dVd (values -> gradients)
             GA_s = T.alloc_shared((C, C), dtype)  # Gamma o A
             sP_s = T.alloc_shared((C, C), dtype)  # scale P (gradients -> values), then Lower(dGamma_A) (values)
             G_s = T.alloc_shared((C, C), dtype)  # values: GA^T Lower(dGamma_A), then G (-> gradients)
             dPG_s = T.alloc_shared((C, C), dtype)  # gradients: dP o Gamma
-            gc_sh = T.alloc_shared((C,), "float32")
-            beta_sh = T.alloc_shared((C,), "float32")
+            gc_sh = T.alloc_shared((2, C), "float32")  # by item parity, like K
+            work_sh = T.alloc_shared((2, 8), "int32")  # by item parity: t0, rows, v-head; the next item's t0, v-head, slot
+            beta_sh = T.alloc_shared((2, C), "float32")
             gam_sh = T.alloc_shared((C,), "float32")  # gamma of each row
             tail_sh = T.alloc_shared((C,), "float32")  # gamma_last / gamma of each row
             F_sh = T.alloc_shared((C,), "float32")
@@ -159,6 +183,7 @@ def build_chunk_bwd_local(dtype: str):
             KK = T.alloc_fragment((C, C), "float32")
             SdS = T.alloc_fragment((C, D), "float32")
             rows_A = T.alloc_fragment((C,), "float32")
+            beta_rows = T.alloc_fragment((C,), "float32")
             rows_Vn = T.alloc_fragment((C,), "float32")
             rows_dX = T.alloc_fragment((C,), "float32")
             rows_L = T.alloc_fragment((C,), "float32")
@@ -180,50 +205,119 @@ def build_chunk_bwd_local(dtype: str):
             do_free = T.alloc_barrier(arrive_count=WG)  # the values warpgroup has read dO
             g_ready = T.alloc_barrier(arrive_count=WG)  # G in G_s
             dvd_ready = T.alloc_barrier(arrive_count=WG)  # dVd in dVn_s
+            # a tile of an item has arrived (TMA bytes and the arrivals of the warpgroup that issued it)
+            q_full = T.alloc_barrier(arrive_count=WG)
+            k_full = T.alloc_barrier(arrive_count=[WG, WG])
+            v_full = T.alloc_barrier(arrive_count=WG)
+            ga_full = T.alloc_barrier(arrive_count=WG)
+            s_full = T.alloc_barrier(arrive_count=WG)
+            ds_full = T.alloc_barrier(arrive_count=WG)
+            do_full = T.alloc_barrier(arrive_count=WG)
 
-            seq, t0, n_rows = chunk_of_slot(cu_seqlens, chunk_offsets, num_seqs, chunk, search_steps)
-            last = T.max(n_rows - 1, 0)
             tx = T.get_thread_binding()
+            # work items (chunk, v-head), chunk fastest, the real chunks only; CTA cta takes every num_ctas-th
+            num_chunks = T.alloc_var("int32")
+            my_items = T.alloc_var("int32")
+            num_chunks = chunk_offsets[num_seqs]
+            my_items = T.max((num_chunks * num_v_heads - cta + num_ctas - 1) // num_ctas, 0)
 
-            if n_rows > 0:
-                T.async_copy(k[t0:t0 + C, hk, 0:D], K_s)
-                T.async_copy(h[chunk, hv, 0:D, 0:D], S_s)
-                T.async_copy(v[t0:t0 + C, hv, 0:D], V_s)
-                T.async_copy(GA[t0:t0 + C, hv, 0:C], GA_s)
-                T.async_copy(q[t0:t0 + C, hk, 0:D], Q_s)
-                T.async_copy(dh[chunk, hv, 0:D, 0:D], dS_s)
-                T.async_copy(do[t0:t0 + C, hv, 0:D], dO_s)
-                for r in T.Parallel(C):
-                    gc_sh[r] = gcum[hv, t0 + T.min(r, last)] * LOG2E
-                    beta_sh[r] = T.if_then_else(r < n_rows, beta[t0 + T.min(r, last), hv], 0.0)
-                T.ptx_wait_group(0)
-                T.sync_threads()
+            if my_items > 0:  # the first item's tiles and gates
+                chunk0 = T.alloc_var("int32")
+                hv0 = T.alloc_var("int32")
+                chunk0 = cta % num_chunks
+                hv0 = cta // num_chunks
+                seq0, s0, n0 = chunk_of_slot(cu_seqlens, chunk_offsets, num_seqs, chunk0, search_steps)
+                if tx < WG:
+                    T.tma_copy(v[s0:s0 + C, hv0, 0:D], V_s, barrier=v_full)
+                    T.tma_copy(GA[s0:s0 + C, hv0, 0:C], GA_s, barrier=ga_full)
+                    T.tma_copy(h[chunk0, hv0, 0:D, 0:D], S_s, barrier=s_full)
+                    T.barrier_arrive(v_full)
+                    T.barrier_arrive(ga_full)
+                    T.barrier_arrive(s_full)
+                    gates_of(gcum, beta, s0, n0, hv0, gc_sh, beta_sh, 0)
+                else:
+                    T.tma_copy(q[s0:s0 + C, hv0 // group, 0:D], Q_s, barrier=q_full)
+                    T.tma_copy(k[s0:s0 + C, hv0 // group, 0:D], K_s[0, :, :], barrier=k_full[0])
+                    T.tma_copy(dh[chunk0, hv0, 0:D, 0:D], dS_s, barrier=ds_full)
+                    T.tma_copy(do[s0:s0 + C, hv0, 0:D], dO_s, barrier=do_full)
+                    T.barrier_arrive(q_full)
+                    T.barrier_arrive(k_full[0])
+                    T.barrier_arrive(ds_full)
+                    T.barrier_arrive(do_full)
+
+            for it in T.serial(my_items):
+                buf = it % 2
+                par = it % 2
+                kpar = (it // 2) % 2
+                has_next = it + 1 < my_items
+                # this item and the next (whose tiles are loaded as this item's last readers of each tile
+                # finish): computed once, kept in shared memory (by item parity), read where used
+                item = T.alloc_var("int32")
+                nitem = T.alloc_var("int32")
+                item = cta + it * num_ctas
+                nitem = item + num_ctas
+                _, t0_, n_rows_ = chunk_of_slot(cu_seqlens, chunk_offsets, num_seqs, item % num_chunks, search_steps)
+                _, nt0_, nn_rows_ = chunk_of_slot(cu_seqlens, chunk_offsets, num_seqs, nitem % num_chunks, search_steps)
+                work_sh[buf, 0] = t0_
+                work_sh[buf, 1] = n_rows_
+                work_sh[buf, 2] = item // num_chunks
+                work_sh[buf, 3] = nt0_
+                work_sh[buf, 4] = nitem // num_chunks
+                work_sh[buf, 5] = nitem % num_chunks
+                work_sh[buf, 6] = nitem // num_chunks // group
+                work_sh[buf, 7] = nn_rows_
+                T.sync_threads()  # this item's gates (written during the last item) and work_sh are visible
+                t0, n_rows, hv = work_sh[buf, 0], work_sh[buf, 1], work_sh[buf, 2]
+                nt0, nhv, nchunk, nkh = work_sh[buf, 3], work_sh[buf, 4], work_sh[buf, 5], work_sh[buf, 6]
+                for r in T.Parallel(C):  # the row decays, once per row
+                    gam_sh[r] = T.exp2(gc_sh[buf, r])
+                    tail_sh[r] = T.exp2(gc_sh[buf, C - 1] - gc_sh[buf, r])
                 if n_rows < C:  # rows past the sequence end: the reference grid's zero padding
+                    T.barrier_wait(q_full, par)
+                    T.barrier_wait(k_full[buf], kpar)
+                    T.barrier_wait(do_full, par)
+                    T.barrier_wait(v_full, par)
+                    T.barrier_wait(ga_full, par)
                     for r, j in T.Parallel(C, D):
                         if r >= n_rows:
                             Q_s[r, j] = T.cast(0, dtype)
-                            K_s[r, j] = T.cast(0, dtype)
+                            K_s[buf, r, j] = T.cast(0, dtype)
                             dO_s[r, j] = T.cast(0, dtype)
                             V_s[r, j] = T.cast(0, dtype)
                     for r, s in T.Parallel(C, C):
                         if r >= n_rows:
                             GA_s[r, s] = T.cast(0, dtype)
-                for r in T.Parallel(C):  # the row decays, once per row
-                    gam_sh[r] = T.exp2(gc_sh[r])
-                    tail_sh[r] = T.exp2(gc_sh[C - 1] - gc_sh[r])
-                T.fence_proxy_async()
+                    T.fence_proxy_async()
                 T.sync_threads()
 
                 if tx < WG:  # values: V_new, dV_new, dv, the dA chain to G
-                    T.wgmma_gemm(K_s, S_s, KS, clear_accum=True)
-                    T.wgmma_gemm(K_s, dS_s, KdS, clear_accum=True)
+                    T.barrier_wait(k_full[buf], kpar)
+                    T.barrier_wait(s_full, par)
+                    T.barrier_wait(ds_full, par)
+                    T.wgmma_gemm(K_s[buf, :, :], S_s, KS, clear_accum=True)
+                    T.wgmma_gemm(K_s[buf, :, :], dS_s, KdS, clear_accum=True)
+                    # while they run: gamma_last <S, dS> by row of S (it joins dgc of the last row), in two row
+                    # halves, so that S and dS are free once the products are done; and the next item's gates
+                    for half in T.serial(2):
+                        for r, j in T.Parallel(C, D):
+                            SdS[r, j] = S_s[half * C + r, j] * dS_s[half * C + r, j]
+                        T.reduce_sum(SdS, rows_SdS, dim=1)
+                        for r in T.Parallel(C):
+                            dgc_part[4, r] = (T.if_then_else(half == 0, 0.0, dgc_part[4, r])
+                                              + T.exp2(gc_sh[buf, C - 1]) * rows_SdS[r])
+                    if has_next:
+                        gates_of(gcum, beta, nt0, work_sh[buf, 7], nhv, gc_sh, beta_sh, 1 - buf)
+                    for r in T.Parallel(C):  # beta by row in registers: the tiles' stores read no shared memory
+                        beta_rows[r] = beta_sh[buf, r]
+                    T.barrier_wait(v_full, par)
+                    T.barrier_wait(ga_full, par)
                     T.wait_wgmma(1)
                     T.warpgroup_fence_operand(KS, num_regs=C * D // WG)
                     # Vd = V - diag(gamma) K S (kept for dbeta); V_s <- diag(beta) Vd; V_new = GA diag(beta) Vd
                     for r, j in T.Parallel(C, D):
                         KS[r, j] = V_s[r, j] - gam_sh[r] * KS[r, j]
                     for r, j in T.Parallel(C, D):
-                        V_s[r, j] = beta_sh[r] * KS[r, j]
+                        V_s[r, j] = beta_rows[r] * KS[r, j]
                     T.fence_proxy_async()
                     T.sync_threads(VALUES_BARRIER, WG)
                     T.wgmma_gemm(GA_s, V_s, Vn, clear_accum=True)
@@ -232,7 +326,8 @@ def build_chunk_bwd_local(dtype: str):
                     for r, j in T.Parallel(C, D):
                         KdS[r, j] = tail_sh[r] * KdS[r, j]
                     # dV_new = P^T dOs + diag(gamma_last / gamma) K dS, with scale P from the gradients warpgroup
-                    T.barrier_wait(sp_ready, 0)
+                    T.barrier_wait(sp_ready, par)
+                    T.barrier_wait(do_full, par)
                     T.wgmma_gemm(sP_s, dO_s, KdS, transpose_A=True)
                     T.wait_wgmma(1)
                     T.warpgroup_fence_operand(Vn, num_regs=C * D // WG)
@@ -256,7 +351,7 @@ def build_chunk_bwd_local(dtype: str):
                     # dGamma_A = dV_new (diag(beta) Vd)^T, dX = GA^T dV_new and K K^T together
                     T.wgmma_gemm(dVn_s, V_s, dGA, transpose_B=True, clear_accum=True)
                     T.wgmma_gemm(GA_s, dVn_s, dX, transpose_A=True, clear_accum=True)
-                    T.wgmma_gemm(K_s, K_s, KK, transpose_B=True, clear_accum=True)
+                    T.wgmma_gemm(K_s[buf, :, :], K_s[buf, :, :], KK, transpose_B=True, clear_accum=True)
                     T.wait_wgmma(2)
                     T.warpgroup_fence_operand(dGA, num_regs=C * C // WG)
                     # sP_s <- Lower(dGamma_A) (dV_new's product has read scale P)
@@ -277,7 +372,7 @@ def build_chunk_bwd_local(dtype: str):
                         dbeta_part[0, r] = rows_dX[r]
                     T.sync_threads(VALUES_BARRIER, WG)  # every warp's part of both products has read dVn_s
                     for r, j in T.Parallel(C, D):
-                        dVn_s[r, j] = beta_sh[r] * dX[r, j]
+                        dVn_s[r, j] = beta_rows[r] * dX[r, j]
                     T.fence_proxy_async()
                     T.barrier_arrive(dvd_ready)
                     # colsum(E_A) = rowsum(dX o diag(beta) Vd), with the bf16 diag(beta) Vd of dGamma_A (V_s)   (D2)
@@ -291,16 +386,22 @@ def build_chunk_bwd_local(dtype: str):
                     T.warpgroup_fence_operand(dL, num_regs=C * C // WG)
                     T.copy(dL, G_s)
                     T.fence_proxy_async()
-                    T.sync_threads(VALUES_BARRIER, WG)
+                    T.sync_threads(VALUES_BARRIER, WG)  # and every warp has read V_s: the next item's V
+                    if has_next:
+                        T.tma_copy(v[nt0:nt0 + C, nhv, 0:D], V_s, barrier=v_full)
+                        T.barrier_arrive(v_full)
                     T.wgmma_gemm(G_s, GA_s, dL, transpose_B=True, clear_accum=True)
                     T.wait_wgmma(0)
                     T.warpgroup_fence_operand(dL, num_regs=C * C // WG)
                     # dL = StrictLower(-Gamma o that); G = diag(beta) dL -> G_s; dbeta += rowsum(dL o K K^T)
                     for r, s in T.Parallel(C, C):
-                        dL[r, s] = -dL[r, s] * gamma_mask(gc_sh, r, s, True)
-                    T.sync_threads(VALUES_BARRIER, WG)  # every warp's part of the product has read G_s
+                        dL[r, s] = -dL[r, s] * gamma_mask(gc_sh, buf, r, s, True)
+                    T.sync_threads(VALUES_BARRIER, WG)  # every warp's part of the product has read G_s and GA_s
+                    if has_next:
+                        T.tma_copy(GA[nt0:nt0 + C, nhv, 0:C], GA_s, barrier=ga_full)
+                        T.barrier_arrive(ga_full)
                     for r, s in T.Parallel(C, C):
-                        G_s[r, s] = beta_sh[r] * dL[r, s]
+                        G_s[r, s] = beta_rows[r] * dL[r, s]
                     T.fence_proxy_async()
                     T.barrier_arrive(g_ready)
                     for r, s in T.Parallel(C, C):
@@ -308,24 +409,23 @@ def build_chunk_bwd_local(dtype: str):
                     T.reduce_sum(KK, rows_L, dim=1)
                     for r in T.Parallel(C):
                         dbeta_part[1, r] = rows_L[r]
-                    # gamma_last <S, dS> by row of S (it joins dgc of the last row), in two row halves
-                    for half in T.serial(2):
-                        for r, j in T.Parallel(C, D):
-                            SdS[r, j] = S_s[half * C + r, j] * dS_s[half * C + r, j]
-                        T.reduce_sum(SdS, rows_SdS, dim=1)
-                        for r in T.Parallel(C):
-                            dgc_part[4, r] = (T.if_then_else(half == 0, 0.0, dgc_part[4, r])
-                                              + T.exp2(gc_sh[C - 1]) * rows_SdS[r])
                     store_rows(dVn_s, dv, t0, hv, n_rows)
                 else:  # gradients: P and E_P, dP, dq, dk
-                    T.wgmma_gemm(Q_s, K_s, PY, transpose_B=True, clear_accum=True)
+                    if has_next:  # the next item's K into the other buffer (its last item ended)
+                        T.tma_copy(k[nt0:nt0 + C, nkh, 0:D], K_s[1 - buf, :, :], barrier=k_full[1 - buf])
+                        T.barrier_arrive(k_full[1 - buf])
+                    T.barrier_wait(q_full, par)
+                    T.barrier_wait(k_full[buf], kpar)
+                    T.wgmma_gemm(Q_s, K_s[buf, :, :], PY, transpose_B=True, clear_accum=True)
+                    T.barrier_wait(do_full, par)
+                    T.barrier_wait(s_full, par)
                     T.wgmma_gemm(dO_s, S_s, acc_q, transpose_B=True, clear_accum=True)
                     T.wait_wgmma(1)
                     T.warpgroup_fence_operand(PY, num_regs=C * C // WG)
                     # scale P = scale Gamma o Q K^T -> sP_s for the values warpgroup's dV_new; PY keeps it rounded
                     # as sP_s holds it (E_P's row sum stands in for colsum(E_P) through dV_new, (D2))
                     for r, s in T.Parallel(C, C):
-                        PY[r, s] = T.cast(PY[r, s] * gamma_mask(gc_sh, r, s, False) * scale, dtype)
+                        PY[r, s] = T.cast(PY[r, s] * gamma_mask(gc_sh, buf, r, s, False) * scale, dtype)
                     for r, s in T.Parallel(C, C):
                         sP_s[r, s] = PY[r, s]
                     T.fence_proxy_async()
@@ -341,7 +441,8 @@ def build_chunk_bwd_local(dtype: str):
                     for r, j in T.Parallel(C, D):
                         acc_q[r, j] = acc_q[r, j] * (gam_sh[r] * scale)
                     # dP = dOs V_new^T and V_new dS^T, once V_new is there
-                    T.barrier_wait(vn_ready, 0)
+                    T.barrier_wait(vn_ready, par)
+                    T.barrier_wait(ds_full, par)
                     T.wgmma_gemm(dO_s, Vn_s, dP, transpose_B=True, clear_accum=True)
                     T.wgmma_gemm(Vn_s, dS_s, VndS, transpose_B=True, clear_accum=True)
                     T.wait_wgmma(1)
@@ -351,10 +452,10 @@ def build_chunk_bwd_local(dtype: str):
                     for r, s in T.Parallel(C, C):
                         dP[r, s] = dP[r, s] * scale
                     for r, s in T.Parallel(C, C):
-                        dPG_s[r, s] = dP[r, s] * gamma_mask(gc_sh, r, s, False)
+                        dPG_s[r, s] = dP[r, s] * gamma_mask(gc_sh, buf, r, s, False)
                     T.fence_proxy_async()
                     T.sync_threads(GRADS_BARRIER, WG)
-                    T.wgmma_gemm(dPG_s, K_s, acc_q)
+                    T.wgmma_gemm(dPG_s, K_s[buf, :, :], acc_q)
                     for r, s in T.Parallel(C, C):
                         dP[r, s] = dP[r, s] * PY[r, s]
                     T.reduce_sum(dP, rows_P, dim=1)
@@ -364,43 +465,55 @@ def build_chunk_bwd_local(dtype: str):
                     T.wait_wgmma(1)
                     T.warpgroup_fence_operand(VndS, num_regs=C * D // WG)
                     T.warpgroup_fence_operand(acc_q, num_regs=C * D // WG)
-                    T.barrier_wait(do_free, 0)  # dq leaves through dO's tile
-                    T.copy(acc_q, dO_s)
-                    T.sync_threads(GRADS_BARRIER, WG)
-                    store_rows(dO_s, dq, t0, hv, n_rows)
+                    # dq leaves through V_new's tile (both products reading it are done)
+                    T.copy(acc_q, Vn_s)
                     T.wait_wgmma(0)
                     T.warpgroup_fence_operand(acc_k, num_regs=C * D // WG)
+                    T.barrier_wait(do_free, par)
+                    T.sync_threads(GRADS_BARRIER, WG)  # dq in Vn_s; Q, dS and dO read by every product here
+                    if has_next:  # and by the values warpgroup (do_free; dS before vn_ready): the next item's
+                        T.tma_copy(q[nt0:nt0 + C, nkh, 0:D], Q_s, barrier=q_full)
+                        T.tma_copy(dh[nchunk, nhv, 0:D, 0:D], dS_s, barrier=ds_full)
+                        T.tma_copy(do[nt0:nt0 + C, nhv, 0:D], dO_s, barrier=do_full)
+                        T.barrier_arrive(q_full)
+                        T.barrier_arrive(ds_full)
+                        T.barrier_arrive(do_full)
+                    store_rows(Vn_s, dq, t0, hv, n_rows)
                     # dk += diag(gamma_last / gamma) V_new dS^T;  F = that scale o rowsum(K o V_new dS^T) (its sum
                     # joins the last row's dgc)
                     for r, j in T.Parallel(C, D):
                         acc_k[r, j] = acc_k[r, j] + tail_sh[r] * VndS[r, j]
                     for r, j in T.Parallel(C, D):
-                        VndS[r, j] = K_s[r, j] * VndS[r, j]
+                        VndS[r, j] = K_s[buf, r, j] * VndS[r, j]
                     T.reduce_sum(VndS, rows_F, dim=1)
                     for r in T.Parallel(C):
                         F_sh[r] = tail_sh[r] * rows_F[r]
                     # dk -= diag(gamma) dVd S^T, dgc -= gamma o rowsum(K o dVd S^T), as soon as dVd is there
-                    T.barrier_wait(dvd_ready, 0)
+                    T.barrier_wait(dvd_ready, par)
                     T.wgmma_gemm(dVn_s, S_s, dVdS, transpose_B=True, clear_accum=True)
                     T.wait_wgmma(0)
                     T.warpgroup_fence_operand(dVdS, num_regs=C * D // WG)
+                    T.sync_threads(GRADS_BARRIER, WG)  # every warp's part of the product has read S
+                    if has_next:  # (the values warpgroup read it before its first hand-over)
+                        T.tma_copy(h[nchunk, nhv, 0:D, 0:D], S_s, barrier=s_full)
+                        T.barrier_arrive(s_full)
                     for r, j in T.Parallel(C, D):
                         acc_k[r, j] = acc_k[r, j] - gam_sh[r] * dVdS[r, j]
                     for r, j in T.Parallel(C, D):
-                        dVdS[r, j] = K_s[r, j] * dVdS[r, j]
+                        dVdS[r, j] = K_s[buf, r, j] * dVdS[r, j]
                     T.reduce_sum(dVdS, rows_dVd, dim=1)
                     for r in T.Parallel(C):
                         dgc_part[3, r] = -gam_sh[r] * rows_dVd[r]
                     # dk += (G + G^T) K, the end of the values warpgroup's chain
-                    T.barrier_wait(g_ready, 0)
-                    T.wgmma_gemm(G_s, K_s, acc_k)
-                    T.wgmma_gemm(G_s, K_s, acc_k, transpose_A=True)
+                    T.barrier_wait(g_ready, par)
+                    T.wgmma_gemm(G_s, K_s[buf, :, :], acc_k)
+                    T.wgmma_gemm(G_s, K_s[buf, :, :], acc_k, transpose_A=True)
                     T.wait_wgmma(0)
                     T.warpgroup_fence_operand(acc_k, num_regs=C * D // WG)
-                    T.sync_threads(GRADS_BARRIER, WG)  # dq's stores have read dO_s
-                    T.copy(acc_k, dO_s)  # dk leaves through dO's tile too
+                    T.sync_threads(GRADS_BARRIER, WG)  # dq's stores have read Vn_s
+                    T.copy(acc_k, Vn_s)  # dk leaves through V_new's tile too
                     T.sync_threads(GRADS_BARRIER, WG)
-                    store_rows(dO_s, dk, t0, hv, n_rows)
+                    store_rows(Vn_s, dk, t0, hv, n_rows)
 
                 T.sync_threads()
                 # dg = reverse cumsum of dgc over the rows that exist, plus the last row's sum(F) and gamma_last

@@ -104,7 +104,8 @@ def compiled_chunk_dstates(dtype: str, block_v: int):
 
 @functools.lru_cache(maxsize=None)
 def compiled_chunk_bwd_local(dtype: str):
-    """The compiled chunk-local backward (chunk_bwd_local.py) for `dtype`."""
+    """The compiled chunk-local backward (chunk_bwd_local.py) for `dtype` (persistent: launched with the SM count
+    of the device as its last argument)."""
     return compile_from("chunk_bwd_local", "build_chunk_bwd_local", f"chunk_bwd_local({dtype})", dtype)
 
 
@@ -152,7 +153,7 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def _sm_count_on(device: torch.device) -> int:
+def sm_count_on(device: torch.device) -> int:
     """SMs of `device` (the current CUDA device when it has no index)."""
     return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
@@ -178,14 +179,14 @@ def walks_fill(device: torch.device, num_seqs: int, num_v_heads: int) -> bool:
     """Whether one walk over `num_seqs` x `num_v_heads` gives MIN_CTAS_PER_SM CTAs per SM even at the
     narrowest V tile; when it does not, two independent walks run side by side on two streams (the
     backward's, backward.py)."""
-    return num_seqs * num_v_heads * (HEAD_DIM // BLOCK_V_CHOICES[-1]) >= MIN_CTAS_PER_SM * _sm_count_on(device)
+    return num_seqs * num_v_heads * (HEAD_DIM // BLOCK_V_CHOICES[-1]) >= MIN_CTAS_PER_SM * sm_count_on(device)
 
 
 def walks_exceed_a_wave(device: torch.device, num_seqs: int, num_v_heads: int) -> bool:
     """Whether a walk over `num_seqs` x `num_v_heads` at dispatch's V tile has more CTAs than `device` has SMs
     (the walks at V tile 128 hold one CTA per SM): then a walk that ends early frees its SM for another."""
     block_v = block_v_on(device, num_seqs, num_v_heads)
-    return num_seqs * num_v_heads * (HEAD_DIM // block_v) > _sm_count_on(device)
+    return num_seqs * num_v_heads * (HEAD_DIM // block_v) > sm_count_on(device)
 
 
 def chunk_offsets_of(cu_seqlens: torch.Tensor) -> torch.Tensor:
@@ -288,7 +289,7 @@ def prepare_from_kept(q, k, v, beta, kept: KeptInverse, cu_seqlens, chunk_offset
 
 def block_v_on(device: torch.device, num_seqs: int, num_v_heads: int) -> int:
     """block_v_for with the SM count of `device` (the current CUDA device when it has no index)."""
-    return block_v_for(num_seqs, num_v_heads, _sm_count_on(device))
+    return block_v_for(num_seqs, num_v_heads, sm_count_on(device))
 
 
 def _state_buffers(x: ChunkedCall, h0, store_final: bool):
@@ -319,7 +320,7 @@ def _launch_walk(x: ChunkedCall, h0, store_chunks: bool, store_final: bool, with
     if store_chunks:
         block_v = block_v_on(device, num_walks, Hv)
     else:
-        block_v = summary_block_v(num_walks * Hv, _sm_count_on(device))
+        block_v = summary_block_v(num_walks * Hv, sm_count_on(device))
     compiled_chunk_states(x.dtype, block_v)(
         x.k, x.v, x.GA, x.beta, x.gcum, x.cu, x.offsets, h0_arg, h, vnew, ht_arg, ht_arg if mt is None else mt.view(N * Hv, HEAD_DIM, HEAD_DIM), active_arg,
         int(h0 is not None), int(store_final), int(store_chunks), int(with_transition), int(active is not None))
@@ -371,7 +372,7 @@ def fold_segments(out, bias, mats, mask, first_rows, last_rows, reverse: bool, b
     rows, Hv = mask.shape
     flat = lambda t: t.view(rows * Hv, HEAD_DIM, HEAD_DIM)  # noqa: E731
     if block_v is None:
-        block_v = chain_block_v(first_rows.numel() * Hv, _sm_count_on(out.device))
+        block_v = chain_block_v(first_rows.numel() * Hv, sm_count_on(out.device))
     compiled_segment_chain(block_v)(flat(out), flat(bias), flat(mats), mask.reshape(-1), first_rows, last_rows, Hv,
                              int(reverse))
     return out
