@@ -1,10 +1,14 @@
 """AutoCP calibration on one GPU: the public op at every segment length, forward and fwd+bwd.
 
     python benchmarks/bench_autocp.py [--lengths off,32,64,128] [--reps 20] [--configs all|0,3]
+    python benchmarks/bench_autocp.py --sweep [--out tests/data/autocp_sweep_h200.txt]
 
 Per configuration and intra_cp: forward (CUDA-graph median), fwd+bwd eager and CUDA-graph medians, and the
-host time of one fwd+bwd call (issue time, before the GPU finishes). The table behind
-flashqla.cp.plan.calibrated_segment_chunks (docs/benchmarks.md).
+host time of one fwd+bwd call (issue time, before the GPU finishes).
+--sweep: the calibration behind flashqla.cp.plan.calibrated_segment_chunks (docs/benchmarks.md): FlashQLA's
+backward matrix and bench_gdn's ten configs, off and every L of 8 to 128 chunks shorter than the longest
+sequence, forward and fwd+bwd CUDA-graph medians only, one line per config in the form that
+tests/test_intra_cp.py reads from tests/data/autocp_sweep_h200.txt.
 """
 from __future__ import annotations
 
@@ -15,18 +19,72 @@ import time
 import torch
 
 import flashqla
+from bench_gdn import CONFIGS as GDN_CONFIGS
 from bench_gdn import eager_median_ms, graph_median_ms, make_inputs
 
 CONFIGS = [(2, 8, [32768]), (2, 8, [16384]), (2, 8, [8192]), (4, 16, [32768]), (4, 16, [8192]), (8, 24, [32768]),
            (16, 16, [32768]), (32, 32, [32768])]
 
 
+SWEEP_LENGTHS = (0, 8, 16, 32, 64, 128)  # chunks, 0 = off
+
+
+def sweep_configs():
+    """(label, Hqk, Hv, lengths): bench_bwd's matrix, then bench_gdn's ten; "4096x8" is 8 sequences of 4096 tokens."""
+    out = [(f"{Hqk},{Hv} {T // n}x{n}", Hqk, Hv, [T // n] * n)
+           for Hqk, Hv in [(16, 32), (8, 16), (4, 8), (2, 4)] for T in (8192, 32768) for n in (1, 2, 4, 8)]
+    for name, Hqk, Hv, seqs in GDN_CONFIGS:
+        shape = "+".join(map(str, seqs)) if len(set(seqs)) > 1 else f"{seqs[0]}x{len(seqs)}"
+        out.append((f"{name} {Hqk},{Hv} {shape}", Hqk, Hv, list(seqs)))
+    return out
+
+
+def sweep(reps, out_path):
+    """One line per config: 'label: planned L (fwd/fwd+bwd); best fwd L.., fwd+bwd L..; L0=f/b L8=f/b ...'."""
+    from flashqla.cp.plan import resolve_segment_chunks
+
+    lines = []
+    for label, Hqk, Hv, seqs in sweep_configs():
+        q, k, v, g, beta, cu = make_inputs(Hqk, Hv, seqs)
+        leaves = [t.detach().requires_grad_(True) for t in (q, k, v, g, beta)]
+        do = torch.randn_like(v)
+        planned = resolve_segment_chunks("auto", tuple(seqs), Hv, q.device, "tilelang")
+        times = {}
+        for L in sorted(set(SWEEP_LENGTHS) | {planned}):
+            if L and L >= max(seqs) // 64:
+                continue
+            intra_cp = L if L else "off"
+
+            def fwd():
+                with torch.no_grad():
+                    flashqla.chunk_gated_delta_rule(*leaves, cu_seqlens=cu, backend="tilelang", intra_cp=intra_cp)
+
+            def fwd_bwd():
+                o, _ = flashqla.chunk_gated_delta_rule(*leaves, cu_seqlens=cu, backend="tilelang", intra_cp=intra_cp)
+                torch.autograd.grad(o, leaves, do)
+
+            times[L] = (graph_median_ms(fwd, reps), graph_median_ms(fwd_bwd, reps))
+        best_fwd, best_all = (min(times, key=lambda L: times[L][i]) for i in (0, 1))
+        cells = " ".join(f"L{L}={f:.3f}/{b:.3f}" for L, (f, b) in times.items())
+        lines.append(f"{label}: planned {planned} ({times[planned][0]:.3f}/{times[planned][1]:.3f}); "
+                     f"best fwd L{best_fwd}, fwd+bwd L{best_all}; {cells}")
+        print(lines[-1], flush=True)
+    if out_path:
+        with open(out_path, "w") as f:
+            f.write("\n".join(lines) + "\n")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sweep", action="store_true", help="the planner's calibration sweep (see above)")
+    ap.add_argument("--out", default="", help="with --sweep: also write the lines here")
     ap.add_argument("--lengths", default="off,32,64,128", help="intra_cp values: 'off' and segment lengths in chunks")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--configs", default="all", help="indices into CONFIGS ('all' or '0,3')")
     args = ap.parse_args()
+    if args.sweep:
+        sweep(max(args.reps, 30), args.out)
+        return
     picked = range(len(CONFIGS)) if args.configs == "all" else [int(i) for i in args.configs.split(",")]
     choices = [x if x == "off" else int(x) for x in args.lengths.split(",")]
     print("(Hqk,Hv) tokens, intra_cp: fwd graph ms | fwd+bwd eager ms, graph ms, host ms per fwd+bwd", flush=True)

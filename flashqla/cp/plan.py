@@ -72,51 +72,52 @@ def auto_segment_chunks(lengths: tuple[int, ...], heads: int, sm_count: int) -> 
     return L if longest > L else 0
 
 
-# Our own H200 calibration of the TileLang path. Sweep of 2026-11-30 (fifth session, after S* and M became
-# one summary launch and the final walk fused): CUDA-graph ms, forward / fwd+bwd, off vs the best L: Hv 8
-# 32K 1.58 / 5.86 -> 0.79 / 2.94 (L 32), Hv 24 32K 2.66 / 9.30 -> 1.90 / 7.65 (32), Hv 32 32K 2.88 /
-# 11.70 -> 2.22 / 10.25 (128); loads above 32 (e.g. 4 x 8K x 64 heads) were not measured to gain. Re-swept
-# on 2026-12-01 (fourteenth session, 19 configs) and 2026-12-03 (twenty-sixth, 14 configs at L = 16 to 128,
-# docs/benchmarks.md): the best L is where the walks (segments x v-heads) fill whole waves of the GPU with
-# the fewest segments. A walk's chunk steps run in parallel across CTAs, so the walks take about waves x L
-# chunk steps, and each segment of the longest sequence adds a step of the fp32 fold (forward and backward)
-# and per-segment work (warm-up walks):
-#     cost(L) = ceil(heads x segments / SMs) x L x WALK_STEP + segments of the longest sequence x SEGMENT_STEP
-# WALK_STEP is the H200's time per chunk of the final and summary walks at TP8 32K; SEGMENT_STEP is fitted
-# to the sweeps (between 3.2 and 6.4 us every measured best holds; the fold alone is ~2.5 us a step each
-# way). The cheapest L of 16, 32, 64, 128 (the longest on a tie) is the measured best, forward and fwd+bwd,
-# on 13 of the last sweep's 14 configs (h32 32K: 128 against 64, within 1%), and on the fourteenth
-# session's 19 (where Hv 16 x 32K was 3% faster at 64 too, and Hv 4 x 32K 8% faster forward at 32 with
-# fwd+bwd tied, than the previous rule's 32 and 16), e.g. Hv 8 32K: 32; Hv 8 128K: 128 (forward 15%
-# faster than at 32); Hv 16 32K: 64 (3-4%); Hv 12 32K: 64 (forward 5-10% faster than at 16 and 32); Hv 24
-# 32K: 32, where 64 and 128 would leave a wave part-filled.
-TILELANG_MAX_LOAD = 32  # effective batch x v-heads
-TILELANG_MIN_CHUNKS = 128  # longest sequence (8K tokens); shorter ones were not measured
-TILELANG_SEGMENT_CHOICES = (16, 32, 64, 128)  # chunks; shorter and longer ones were not measured to win
-WALK_STEP_US = 4.8  # one chunk of the final and summary walks (H200)
-SEGMENT_STEP_US = 5.0  # one segment of the longest sequence (fitted, H200)
+# Our own H200 calibration of the TileLang path (thirty-first session, 2026-12-04, docs/benchmarks.md; the data in
+# tests/data/autocp_sweep_h200.txt, `benchmarks/bench_autocp.py --sweep`): 50 configs (FlashQLA's backward
+# matrix, bench_gdn's ten, eight more up to 128K tokens and 64 v-heads), each unsegmented and at L = 8 to 128
+# chunks, forward and fwd+bwd in CUDA graphs. A call walks its rows (sequences, or segments of them) one chunk
+# step at a time, a CTA per row and v-head; an SM holding w such walks at once steps each of them in about
+# max(1, w / WALK_OVERLAP) times one walk's step (one walk alone leaves the SM mostly waiting). A segmented
+# call walks each segment about SEGMENTED_PASSES times (the summary and final walks, the backward's walks from
+# zero and its reverse walk, against the forward and backward walks of an unsegmented one), and pays
+# SEGMENT_STEPS chunk steps per segment of the longest sequence (the fp32 fold over segments, both ways):
+#     cost(L)   = SEGMENTED_PASSES x L x max(1, ceil(v-heads x segments / SMs) / WALK_OVERLAP)
+#                 + SEGMENT_STEPS x segments of the longest sequence
+#     cost(off) = longest x max(1, ceil(v-heads x sequences / SMs) / WALK_OVERLAP)
+# The cheapest of off and the L of TILELANG_SEGMENT_CHOICES shorter than the longest sequence (off, then the
+# longest L, on a tie) is within 1.033x of the best forward and 1.088x of the best fwd+bwd on every config,
+# 0.2% and 0.4% off on the geometric mean. The rule it replaces (a load threshold, 128 chunks at least, waves x
+# L x 4.8 us + 5 us per segment) was 2.4% and 3.1% off on the first 42, up to 1.42x on fwd+bwd (2 x 4K tokens
+# at 4 v-heads, left unsegmented). The misses: 64 v-heads x 32K and 32 x 2 x 16K stay unsegmented where L = 64
+# is 8.8% and 5.4% faster fwd+bwd; 8 v-heads x 64K takes 64 where 32 is 2.5-3.3% faster.
+TILELANG_SEGMENT_CHOICES = (8, 16, 32, 64, 128)  # chunks
+SEGMENTED_PASSES = 2.75
+WALK_OVERLAP = 1.25
+SEGMENT_STEPS = 2.5
 H200_SMS = 132
 
 
 @functools.lru_cache(maxsize=256)
 def calibrated_segment_chunks(lengths: tuple[int, ...], heads: int, sm_count: int = H200_SMS) -> int:
-    """"auto" on the TileLang kernels: for a longest sequence of >= 128 chunks and effective batch x heads
-    (load) <= 32, the L of TILELANG_SEGMENT_CHOICES with the lowest modelled cost (above; the longest on a
-    tie) among those shorter than the longest sequence; 0 (off) otherwise."""
+    """"auto" on the TileLang kernels: the segment length in chunks (0 = off) of the lowest modelled cost
+    (above) among off and the L of TILELANG_SEGMENT_CHOICES shorter than the longest sequence."""
     chunks = [math.ceil(n / CHUNK) for n in lengths if n > 0]
     if not chunks:
         return 0
-    total, longest = sum(chunks), max(chunks)
-    if total / longest * heads > TILELANG_MAX_LOAD or longest < TILELANG_MIN_CHUNKS:
-        return 0
+    longest = max(chunks)
+
+    def step_cost(rows):  # one chunk step of every walk, with heads x rows walks on the SMs
+        return max(1.0, math.ceil(heads * rows / sm_count) / WALK_OVERLAP)
 
     def cost(L):
+        if L >= longest:  # off
+            return longest * step_cost(len(chunks))
         segments = sum(math.ceil(c / L) for c in chunks)
-        waves = math.ceil(heads * segments / sm_count)
-        return waves * L * WALK_STEP_US + math.ceil(longest / L) * SEGMENT_STEP_US
+        return SEGMENTED_PASSES * L * step_cost(segments) + SEGMENT_STEPS * math.ceil(longest / L)
 
-    candidates = [L for L in TILELANG_SEGMENT_CHOICES if longest > L]
-    return min(reversed(candidates), key=cost) if candidates else 0
+    candidates = [longest] + [L for L in reversed(TILELANG_SEGMENT_CHOICES) if L < longest]
+    best = min(candidates, key=cost)  # the first on a tie: off, then the longest L
+    return 0 if best == longest else best
 
 
 def resolve_segment_chunks(intra_cp, lengths: tuple[int, ...], heads: int, device, backend: str = "torch") -> int:
