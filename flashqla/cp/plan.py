@@ -88,8 +88,8 @@ def auto_segment_chunks(lengths: tuple[int, ...], heads: int, sm_count: int) -> 
 # longest L, on a tie) is within 1.033x of the best forward and 1.088x of the best fwd+bwd on every config,
 # 0.2% and 0.4% off on the geometric mean. The rule it replaces (a load threshold, 128 chunks at least, waves x
 # L x 4.8 us + 5 us per segment) was 2.4% and 3.1% off on the first 42, up to 1.42x on fwd+bwd (2 x 4K tokens
-# at 4 v-heads, left unsegmented). The misses: 64 v-heads x 1 x 32K and 32 v-heads x 2 x 16K stay unsegmented where L = 64
-# is 8.8% and 5.4% faster fwd+bwd; 8 v-heads x 64K takes 64 where 32 is 2.5-3.3% faster.
+# at 4 v-heads, left unsegmented). The misses: 64 v-heads x 1 x 32K and 32 v-heads x 2 x 16K stay unsegmented
+# where L = 64 is 8.8% and 5.4% faster fwd+bwd; 8 v-heads x 64K takes 64 where 32 is 2.5-3.3% faster.
 TILELANG_SEGMENT_CHOICES = (8, 16, 32, 64, 128)  # chunks
 SEGMENTED_PASSES = 2.75
 WALK_OVERLAP = 1.25
