@@ -100,10 +100,14 @@ def test_auto_rule_stays_off_when_batch_fills_the_gpu():
     assert auto_segment_chunks((200,), 2, 132) == 0  # 4 chunks: not longer than the minimum segment
 
 
-def h200_sweep():
-    """tests/data/autocp_sweep_h200.txt: (label, v-heads, sequence lengths, {L: (fwd ms, fwd+bwd ms)})."""
+H200_SWEEP = Path(__file__).parent / "data" / "autocp_sweep_h200.txt"
+
+
+def h200_sweep(path=H200_SWEEP):
+    """`benchmarks/bench_autocp.py --sweep`'s lines (tests/data/autocp_sweep_h200.txt by default): (label, v-heads,
+    sequence lengths, {L: (fwd ms, fwd+bwd ms)})."""
     rows = []
-    for line in (Path(__file__).parent / "data" / "autocp_sweep_h200.txt").read_text().splitlines():
+    for line in Path(path).read_text().splitlines():
         if line.startswith("#"):
             continue
         label = line.split(":")[0]

@@ -1,0 +1,38 @@
+"""benchmarks/bench_autocp.py --sweep (no GPU, nothing timed): it writes the lines the planner's test reads back
+(tests/test_intra_cp.py), for every config, off and every L shorter than the longest sequence, and the planned L."""
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import bench_autocp  # noqa: E402
+from test_intra_cp import h200_sweep  # noqa: E402
+
+
+def test_sweep_writes_what_the_planner_test_reads(tmp_path, monkeypatch):
+    timed = []
+
+    def fake_inputs(Hqk, Hv, seqs):  # shapes do not matter: nothing runs
+        return tuple(torch.zeros(1) for _ in range(5)) + (None,)
+
+    def fake_time(fn, reps):  # a distinct time per call, so every cell is checked
+        timed.append(fn)
+        return len(timed) / 1000
+
+    monkeypatch.setattr(bench_autocp, "make_inputs", fake_inputs)
+    monkeypatch.setattr(bench_autocp, "graph_median_ms", fake_time)
+    out = tmp_path / "sweep.txt"
+    bench_autocp.sweep(30, str(out))
+
+    from flashqla.cp.plan import calibrated_segment_chunks
+
+    rows = h200_sweep(out)
+    configs = bench_autocp.sweep_configs()
+    assert len(rows) == len(configs) == 42
+    for (label, heads, lengths, times), (name, _, Hv, seqs) in zip(rows, configs):
+        assert label == name and heads == Hv and lengths == tuple(seqs)
+        longest = max(seqs) // 64
+        assert set(times) == {L for L in bench_autocp.SWEEP_LENGTHS if L < longest} | {0}
+        assert calibrated_segment_chunks(lengths, heads) in times
+    assert len(timed) == 2 * sum(len(t) for *_, t in rows)  # forward and fwd+bwd of each
