@@ -19,8 +19,11 @@ import time
 import torch
 
 import flashqla
+from bench_bwd import HEADS as BWD_HEADS
+from bench_bwd import SEQS as BWD_SEQS
+from bench_bwd import TOKENS as BWD_TOKENS
 from bench_gdn import CONFIGS as GDN_CONFIGS
-from bench_gdn import eager_median_ms, graph_median_ms, make_inputs
+from bench_gdn import eager_median_ms, graph_median_ms, make_inputs, sequences_label
 
 CONFIGS = [(2, 8, [32768]), (2, 8, [16384]), (2, 8, [8192]), (4, 16, [32768]), (4, 16, [8192]), (8, 24, [32768]),
            (16, 16, [32768]), (32, 32, [32768])]
@@ -31,12 +34,9 @@ SWEEP_LENGTHS = (0, 8, 16, 32, 64, 128)  # chunks, 0 = off
 
 def sweep_configs():
     """(label, Hqk, Hv, lengths): bench_bwd's matrix, then bench_gdn's ten; "4096x8" is 8 sequences of 4096 tokens."""
-    out = [(f"{Hqk},{Hv} {T // n}x{n}", Hqk, Hv, [T // n] * n)
-           for Hqk, Hv in [(16, 32), (8, 16), (4, 8), (2, 4)] for T in (8192, 32768) for n in (1, 2, 4, 8)]
-    for name, Hqk, Hv, seqs in GDN_CONFIGS:
-        shape = "+".join(map(str, seqs)) if len(set(seqs)) > 1 else f"{seqs[0]}x{len(seqs)}"
-        out.append((f"{name} {Hqk},{Hv} {shape}", Hqk, Hv, list(seqs)))
-    return out
+    matrix = [(Hqk, Hv, [T // n] * n) for Hqk, Hv in BWD_HEADS for T in BWD_TOKENS for n in BWD_SEQS]
+    named = [("", Hqk, Hv, seqs) for Hqk, Hv, seqs in matrix] + [(f"{name} ", *rest) for name, *rest in GDN_CONFIGS]
+    return [(f"{name}{Hqk},{Hv} {sequences_label(seqs)}", Hqk, Hv, list(seqs)) for name, Hqk, Hv, seqs in named]
 
 
 def sweep(reps, out_path):

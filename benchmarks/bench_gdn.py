@@ -62,6 +62,11 @@ def make_inputs(Hqk, Hv, lengths, seed=0):
     return q, k, v, g, beta, cu
 
 
+def sequences_label(seqs):
+    """"4096x8" for 8 sequences of 4096 tokens, "24576+8192" for unequal ones."""
+    return f"{seqs[0]}x{len(seqs)}" if len(set(seqs)) == 1 else "+".join(map(str, seqs))
+
+
 def floors_us(Hqk, Hv, T):
     """Memory floor (inputs read once, o written once) and bf16 tensor-core floor of the chunked forward."""
     bytes_moved = T * (2 * Hqk * D * 2 + Hv * D * 2 * 2 + Hv * (4 + 2))
@@ -323,7 +328,7 @@ def main():
             continue
         inputs = make_inputs(Hqk, Hv, seqs)
         mem_us, mma_us = floors_us(Hqk, Hv, sum(seqs))
-        seq_label = f"{seqs[0]}x{len(seqs)}" if len(set(seqs)) == 1 else "+".join(map(str, seqs))
+        seq_label = sequences_label(seqs)
         row = dict(index=i, name=name, Hqk=Hqk, Hv=Hv, seqs=seq_label, mem_us=mem_us, mma_us=mma_us,
                    L=planned_segment_chunks(Hv, seqs))
         for key in impls:
