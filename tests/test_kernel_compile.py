@@ -3,6 +3,7 @@
 No GPU needed: a kernel that fails to lower or assemble fails here, on the CPU CI machine. Skips when
 tilelang or nvcc is not installed. Set TILELANG_CACHE_DIR to reuse the compiled kernels on a GPU.
 """
+import importlib
 import os
 import shutil
 import sys
@@ -76,13 +77,13 @@ def test_segment_chain_tiles_fill_one_wave_then_widen():
     assert launch.chain_block_v(512, sm_count=132) == 16
 
 
-def test_fused_forward_refuses_tiles_its_two_chain_warpgroups_cannot_split():
-    from flashqla.kernels.hopper.fused_fwd import build_fused_fwd
-
-    with pytest.raises(ValueError, match="block_v"):
-        build_fused_fwd("bfloat16", 16)
-    with pytest.raises(ValueError, match="block_v"):
-        build_fused_fwd("bfloat16", 48)
+@pytest.mark.parametrize("module,builder,extra", [("fused_fwd", "build_fused_fwd", ()),
+                                                   ("chunk_dstates", "build_chunk_dstates", (True,))])
+def test_walks_refuse_tiles_their_two_chain_warpgroups_cannot_split(module, builder, extra):
+    build = getattr(importlib.import_module(f"flashqla.kernels.hopper.{module}"), builder)
+    for block_v in (16, 48):
+        with pytest.raises(ValueError, match="block_v"):
+            build("bfloat16", block_v, *extra)
 
 
 def test_segment_chain_refuses_tilings_that_do_not_fit_one_cta():

@@ -6,51 +6,73 @@ reverse is
     dV' = (Gamma o Q K^T)^T dOs + diag(gamma_last / gamma) K dS
     dS  = gamma_last dS + (diag(gamma) Q)^T dOs - W^T dV'
 
-One CTA per (V tile, sequence, v-head) walks its chunks from the last to the first, dS [128 x block_v]
-in fp32 fragments, writing per chunk the gradient of the state leaving it (`dh`, input dtype, at the
-chunk's slot chunk_offsets[n] + c; not with `store_dh` = 0: intra-card CP's walks from zero and inter-card
-CP's D_p want dS0 alone) and at the end dS0, the gradient of the initial state. The local term
-(Gamma o Q K^T)^T dOs needs no state, so its Q K^T product is off the serial chain. With `use_last` the walk
-of (n, h) starts from zero at chunk last_chunks[h, n] of its sequence instead of its last chunk (-1: no
-chunk, dS0 = 0): intra-card CP's warmed-up walks from zero (flashqla/cp/segments.py, D_j of the heads whose
-gates bound the later chunks' reach).
+One CTA per (V tile, sequence, v-head) walks its chunks from the last to the first, writing per chunk the
+gradient of the state leaving it (`dh`, input dtype, at the chunk's slot chunk_offsets[n] + c; not with
+`store_dh` = 0: intra-card CP's walks from zero and inter-card CP's D_p want dS0 alone) and at the end dS0,
+the gradient of the initial state. With `use_last` the walk of (n, h) starts from zero at chunk
+last_chunks[h, n] of its sequence instead of its last chunk (-1: no chunk, dS0 = 0): intra-card CP's
+warmed-up walks from zero (flashqla/cp/segments.py, D_j of the heads whose gates bound the later chunks' reach).
 
-W: at block_v = 128 (one CTA per walk, chosen where the walks fill the GPU) the walk forms W per chunk from
-the forward's GA, beta and the gates, W = GA diag(beta gamma) K (Gamma_rs gamma_s = gamma_r), a product
-that goes out behind the chain's first two and is read by the last: no `chunk_w` launch and no W tensor
-(T x Hv x 256 bytes). At narrower tiles every tile of a walk would form the same W again, and those walks
-are latency-bound: they read `chunk_w`'s W (H200, 2026-12-02: the walk with its W 670 -> 583 us at (16, 32)
-x 4K x 8, 1291 -> 1134 at (16, 64) x 8K x 4, but 1282 -> 1522 at (2, 8) x 32K x 1 at block_v 32). The
-unused operands are stand-ins (`v` for W).
+Warp-specialised like fused_fwd.py, split by columns: every column of dS and dV' depends on the same column
+of dO only, so two chain warpgroups each own half of the V tile's columns and never exchange anything.
 
-Sequences of any length: in a sequence's last, partial chunk the gates past its end repeat the last
-one (factor 1) and the rows past its end are masked out of P, dOs and dV' (they hold the next
-sequence's tokens, or zeros past the tensor end: the tile copies are bounds-checked); beta gamma is 0
-there, so W's rows past the end are those of finite tiles times 0.
+  | warpgroup  | holds                       | per chunk                                                      |
+  | 0, 1       | half of dS's columns (fp32) | dh out (TMA store of dS_sh), K dS, dS *= gamma_last,           |
+  | (chain)    |                             | dS += (gamma Q)^T dOs, P^T dOs, dV' -> X_sh, dS -= W^T dV',    |
+  |            |                             | dS -> dS_sh (bf16) for the next chunk's K dS and dh            |
+  | 2 (local)  | P, W                        | P = Gamma o Q K^T (masked, scaled) and, with `form_w`,         |
+  |            |                             | W = GA diag(beta gamma) K: both need no state, so they run a   |
+  |            |                             | chunk ahead of the chains into a second buffer                 |
+  | 3          | warp 0: loader              | TMA loads of Q, K, GA (or W), dO (two halves), gates and beta  |
+  |            |                             | of the next chunk into the other stage                         |
 
-The kernel reads dO itself and applies `scale` in fp32 where dO enters the algebra (on the masked P and
-on gamma dO, both formed elementwise anyway), so no scaled copy of dO is made.
+A chain step is two product stages (K dS beside (gamma Q)^T dOs, then P^T dOs into K dS's accumulator once
+it is scaled, and W^T dV') with named barriers of its own warpgroup; the masked scores, W, the dh store and
+every load are off the chain. H200, 2026-12-04, against the previous walk (256 threads sharing every product,
+cp.async double buffer, CTA-wide barriers), the walk alone on the public op's arguments, outputs bitwise
+equal: 561.6 -> 458.4 us at (16, 32) x 4K x 8 (V tile 128), 1110 -> 899 at (16, 64) x 8K x 4, 421 -> 256 at
+(4, 8) x 8K x 8 (64), 366 -> 216 at (2, 8) x 8K x 4 (32), 383 -> 204 at (2, 4) x 8K x 1 (32); FlashQLA's
+backward matrix 0.77x -> 0.82x (docs/kernels.md, "Thirty-second session"). mbarriers,
+phase parity (i // 2) % 2 for the i-th chunk walked (stage and buffer i % 2):
+    ready[s]     loader -> all        stage s holds the chunk (TMA bytes + the loader warp's gate stores)
+    free[s]      chains, local -> loader   stage s is read
+    pw_ready[s]  local -> chains      P_sh[s] (and Wf_sh[s]) hold the chunk's P (and W)
+    pw_free[s]   chains -> local      both chains' products have read P_sh[s] (and Wf_sh[s])
+No phase completes twice before its waiters pass it: every producer of a phase first waits for the consumer's
+acknowledgement of the one before.
 
-The products are asynchronous WGMMA, issued in pairs so that the serial chain (K dS -> dV' -> W^T dV')
-is three product stages instead of five: K dS beside Q K^T (with the dh store, gamma dOs and
-gamma_last dS formed meanwhile), P^T dOs beside (gamma Q)^T dOs, then W^T dV'. H200, 2026-12-01, with
-the same change in chunk_states: whole backward 6.31 -> 5.91 ms at (16, 32) x 32K x 1 sequence,
-3.93 -> 3.53 at (2, 8) x 32K x 1, 4.41 -> 4.31 at (16, 32) x 32K x 8 (docs/benchmarks.md).
+W: with `form_w` (launch.walk_forms_w) the local warpgroup forms W per chunk from the forward's GA, beta and
+the gates, W = GA diag(beta gamma) K (Gamma_rs gamma_s = gamma_r): no `chunk_w` launch and no W tensor
+(T x Hv x 256 bytes); else the walk reads `chunk_w`'s W. At V tiles below 128 every tile of a walk would form
+the same W and the local warpgroup would set the pace (H200: 399 against 256 us at (4, 8) x 8K x 8, V tile 64).
+The unused operands are stand-ins (`v` for W).
+
+Sequences of any length: in a sequence's last, partial chunk the gates past its end repeat the last one
+(factor 1) and the rows past its end are masked out of P, dOs and dV' (they hold the next sequence's tokens,
+or TMA's zero fill past the tensor end: finite); beta gamma is 0 there, so W's rows past the end are 0.
+
+The kernel reads dO itself and applies `scale` in fp32 where dO enters the algebra (on the masked P and on
+gamma dO, both formed elementwise anyway), so no scaled copy of dO is made.
+
+TileLang notes (fused_fwd.py's apply): explicit named barriers use ids 8-10; every register -> shared write
+that a tensor-core product or a TMA store reads is followed by `fence.proxy.async`.
 """
 import tilelang.language as T
-
-from .chunk_states import threads_for
 
 CHUNK = 64
 HEAD_DIM = 128
 LOG2E = 1.4426950408889634
+WARPGROUP = 128
+CHAIN_REGS, LOCAL_REGS, PRODUCER_REGS = 168, 136, 40  # 2 x 168 + 136 + 40 = 512 per thread of a warpgroup
+CHAIN_BARRIERS = (8, 9)
+LOCAL_BARRIER = 10
 
 
 def build_chunk_dstates(dtype: str, block_v: int, form_w: bool):
     """Build the walk for `dtype` and V tile `block_v`; with `form_w` it forms W from GA, beta and the gates
     (launch.walk_forms_w chooses), else it reads W."""
-    if HEAD_DIM % block_v:
-        raise ValueError(f"block_v must divide {HEAD_DIM}, got {block_v}")
+    if HEAD_DIM % block_v or block_v % 32:
+        raise ValueError(f"block_v must be a multiple of 32 dividing {HEAD_DIM}, got {block_v}")
     num_tokens = T.dynamic("num_tokens")
     num_qk_heads = T.dynamic("num_qk_heads")
     num_v_heads = T.dynamic("num_v_heads")
@@ -59,85 +81,74 @@ def build_chunk_dstates(dtype: str, block_v: int, form_w: bool):
     num_dht = T.dynamic("num_dht")
     num_dh0 = T.dynamic("num_dh0")
     num_last = T.dynamic("num_last")
-    C, D, BV = CHUNK, HEAD_DIM, block_v
-    threads = threads_for(BV)
-    loads = 6 if form_w else 5  # commit groups per chunk (load_chunk)
+    C, D, BV, WG = CHUNK, HEAD_DIM, block_v, WARPGROUP
+    H = BV // 2  # columns per chain warpgroup
 
     @T.macro
-    def load_chunk(q, k, w, GA, beta, do, gcum, t0, hk, h, v0, Q_s, K_s, W_s, b_s, dO_s, graw_s):
-        """The chunk's tiles, `loads` commit groups: W_s holds GA (and b_s beta) when the walk forms W."""
-        T.async_copy(q[t0:t0 + C, hk, 0:D], Q_s)
-        T.async_copy(k[t0:t0 + C, hk, 0:D], K_s)
-        if form_w:
-            T.async_copy(GA[t0:t0 + C, h, 0:C], W_s)
-            T.async_copy(beta[t0:t0 + C, h], b_s)
+    def chain(half, barrier_id, v0, n, h, num_chunks, seq_len, state_row, chunk_offsets, dht, dh_out, dh0, use_dht,
+              store_dh0, store_dh, scale, Q_s, K_s, W_s, dO_s, g_s, P_sh, Wf_sh, dS_sh, X_sh, dS, KdS, tail,
+              decay, ready, free, pw_ready, pw_free):
+        """Chain warpgroup `half`: columns v0 + half * H .. + H of dS, chunks in reverse."""
+        col0 = v0 + half * H
+        T.set_max_nreg(CHAIN_REGS, 1)
+        if use_dht != 0:
+            T.copy(dht[state_row, 0:D, col0:col0 + H], dS)
         else:
-            T.async_copy(w[t0:t0 + C, h, 0:D], W_s)
-        T.async_copy(do[t0:t0 + C, h, v0:v0 + BV], dO_s)
-        T.async_copy(gcum[h, t0:t0 + C], graw_s)
-
-    @T.macro
-    def chunk_step(dh_out, store_dh, chunk_index, n_rows, h, v0, scale, Q_s, K_s, W_s, b_s, dO_s, graw_s, gc_sh,
-                   dS_sh, X_sh, dOg_sh, P_sh, gs_sh, bg_sh, GAbg_sh, Wf_sh, dS, KdS, P, W, tail, decay):
-        last = n_rows - 1
-        for r in T.Parallel(C):
-            gc_sh[r] = graw_s[T.min(r, last)] * LOG2E
-            gs_sh[r] = T.exp2(graw_s[T.min(r, last)] * LOG2E) * scale  # gamma of each row, times the output scale
-            if form_w:  # beta gamma of each row that exists
-                bg_sh[r] = T.if_then_else(r < n_rows, T.exp2(graw_s[T.min(r, last)] * LOG2E) * b_s[T.min(r, last)],
-                                          0.0)
-        # K dS (the serial chain) and Q K^T issued together (asynchronous WGMMA); the store of dh, gamma dOs
-        # and gamma_last dS run while they do (and GA diag(beta gamma), then W = that K goes out behind them)
-        T.wgmma_gemm(K_s, dS_sh, KdS, clear_accum=True)
-        T.wgmma_gemm(Q_s, K_s, P, transpose_B=True, clear_accum=True)
-        if store_dh != 0:
-            T.copy(dS_sh, dh_out[chunk_index, h, 0:D, v0:v0 + BV])
-        for r, j in T.Parallel(C, BV):
-            dOg_sh[r, j] = T.if_then_else(r < n_rows, dO_s[r, j] * gs_sh[r], 0.0)
-        for r in T.Parallel(C):
-            tail[r] = T.exp2(gc_sh[C - 1] - gc_sh[r])
-        decay = T.exp2(gc_sh[C - 1])
-        for i, j in T.Parallel(D, BV):
-            dS[i, j] = dS[i, j] * decay
-        if form_w:
-            for r, s in T.Parallel(C, C):
-                GAbg_sh[r, s] = T.cast(W_s[r, s] * bg_sh[s], dtype)
-            T.fence_proxy_async()
-            T.sync_threads()
-            T.wgmma_gemm(GAbg_sh, K_s, W, clear_accum=True)
-            T.wait_wgmma(1)  # K dS and Q K^T (W may still run)
-        else:
-            T.wait_wgmma(0)
-        T.warpgroup_fence_operand(KdS, num_regs=C * BV // threads)
-        T.warpgroup_fence_operand(P, num_regs=C * C // threads)
-        # scale (Gamma o Q K^T) over the rows that exist; with it P^T dO = P^T dOs
-        for r, s in T.Parallel(C, C):
-            P[r, s] = T.Select(r < n_rows and r >= s, P[r, s] * T.exp2(gc_sh[r] - gc_sh[s]) * scale, 0.0)
-        T.copy(P, P_sh)
-        for r, j in T.Parallel(C, BV):
-            KdS[r, j] = KdS[r, j] * tail[r]
-        T.sync_threads()
-
-        # dV' = P^T dOs + diag(gamma_last / gamma) K dS (chain), with dS += (gamma Q)^T dOs alongside
-        T.wgmma_gemm(P_sh, dO_s, KdS, transpose_A=True)
-        T.wgmma_gemm(Q_s, dOg_sh, dS, transpose_A=True)
-        if form_w:
-            T.wait_wgmma(2)  # W: to shared memory while dV' is computed
-            T.warpgroup_fence_operand(W, num_regs=C * D // threads)
-            T.copy(W, Wf_sh)
-        T.wait_wgmma(1)
-        T.warpgroup_fence_operand(KdS, num_regs=C * BV // threads)
-        for r, j in T.Parallel(C, BV):
-            KdS[r, j] = T.if_then_else(r < n_rows, -KdS[r, j], 0.0)  # dV', negated for the W^T product
-        T.copy(KdS, X_sh)
-        T.fence_proxy_async()
-        T.sync_threads()
-
-        # dS = gamma_last dS + (gamma Q)^T dOs - W^T dV'
-        T.wgmma_gemm(Wf_sh if form_w else W_s, X_sh, dS, transpose_A=True)
-        T.wait_wgmma(0)
-        T.warpgroup_fence_operand(dS, num_regs=D * BV // threads)
+            T.clear(dS)
         T.copy(dS, dS_sh)
+        T.fence_proxy_async()
+        T.sync_threads(barrier_id, WG)
+        for i in T.serial(num_chunks):
+            c = num_chunks - 1 - i
+            stage = i % 2
+            n_rows = T.min(C, seq_len - c * C)  # < C only in the sequence's last chunk
+            T.barrier_wait(ready[stage], (i // 2) % 2)
+            if store_dh != 0:  # the gradient of the state leaving chunk c, read by TMA while the chunk runs
+                T.tma_copy(dS_sh, dh_out[chunk_offsets[n] + c, h, 0:D, col0:col0 + H])
+            T.wgmma_gemm(K_s[stage, :, :], dS_sh, KdS, clear_accum=True)  # the chain's first product
+            for r in T.Parallel(C):  # meanwhile gamma_last / gamma of each row
+                tail[r] = T.exp2(g_s[stage, C - 1] - g_s[stage, r])
+            decay = T.exp2(g_s[stage, C - 1])
+            for r, j in T.Parallel(C, H):  # gamma dOs over the rows that exist, into X_sh
+                X_sh[r, j] = T.if_then_else(r < n_rows, dO_s[stage, half, r, j] * (T.exp2(g_s[stage, r]) * scale), 0.0)
+            for a, j in T.Parallel(D, H):
+                dS[a, j] = dS[a, j] * decay
+            T.fence_proxy_async()
+            T.sync_threads(barrier_id, WG)
+            T.wgmma_gemm(Q_s[stage, :, :], X_sh, dS, transpose_A=True)  # dS += (gamma Q)^T dOs
+            T.wait_wgmma(1)  # K dS ((gamma Q)^T dOs may still run)
+            T.warpgroup_fence_operand(KdS, num_regs=C * H // WG)
+            for r, j in T.Parallel(C, H):
+                KdS[r, j] = KdS[r, j] * tail[r]
+            T.barrier_wait(pw_ready[stage], (i // 2) % 2)
+            # dV' = P^T dOs + diag(gamma_last / gamma) K dS, in K dS's accumulator (a third [64, H] one spills)
+            T.wgmma_gemm(P_sh[stage, :, :], dO_s[stage, half, :, :], KdS, transpose_A=True)
+            T.wait_wgmma(0)
+            T.warpgroup_fence_operand(KdS, num_regs=C * H // WG)
+            T.warpgroup_fence_operand(dS, num_regs=D * H // WG)
+            if form_w:
+                T.barrier_arrive(free[stage])  # Q, K and dO of the stage are read (W is in Wf_sh)
+            for r, j in T.Parallel(C, H):  # dV' over the rows that exist, negated for the W^T product
+                KdS[r, j] = T.if_then_else(r < n_rows, -KdS[r, j], 0.0)
+            T.copy(KdS, X_sh)
+            if store_dh != 0:
+                T.tma_store_wait(0)  # dh has left dS_sh (before the barrier below, so dS_sh may be written after it)
+            T.fence_proxy_async()
+            T.sync_threads(barrier_id, WG)
+            if form_w:
+                T.wgmma_gemm(Wf_sh[stage, :, :], X_sh, dS, transpose_A=True)
+            else:
+                T.wgmma_gemm(W_s[stage, :, :], X_sh, dS, transpose_A=True)
+            T.wait_wgmma(0)
+            T.warpgroup_fence_operand(dS, num_regs=D * H // WG)
+            T.barrier_arrive(pw_free[stage])
+            if not form_w:
+                T.barrier_arrive(free[stage])
+            T.copy(dS, dS_sh)
+            T.fence_proxy_async()
+            T.sync_threads(barrier_id, WG)
+        if store_dh0 != 0:
+            T.copy(dS, dh0[state_row, 0:D, col0:col0 + H])
 
     @T.prim_func
     def chunk_dstates(
@@ -160,79 +171,104 @@ def build_chunk_dstates(dtype: str, block_v: int, form_w: bool):
         store_dh: T.int32,
         use_last: T.int32,
     ):
-        with T.Kernel(D // BV, num_seqs, num_v_heads, threads=threads_for(BV)) as (bv, n, h):
-            hk = T.alloc_var("int32")
-            bos = T.alloc_var("int32")
-            eos = T.alloc_var("int32")
+        with T.Kernel(D // BV, num_seqs, num_v_heads, threads=4 * WG) as (bv, n, h):
             hk = h // (num_v_heads // num_qk_heads)
             bos = cu_seqlens[n]
-            eos = cu_seqlens[n + 1]
+            seq_len = cu_seqlens[n + 1] - bos
             v0 = bv * BV
             state_row = n * num_v_heads + h
             num_chunks = T.alloc_var("int32")  # the walk runs chunks num_chunks - 1 .. 0
-            num_chunks = T.ceildiv(eos - bos, C)
+            num_chunks = T.ceildiv(seq_len, C)
             if use_last != 0:  # a warmed-up walk from zero: its sequence's chunks last_chunks[h, n] .. 0 only
                 num_chunks = T.min(num_chunks, last_chunks[h * num_seqs + n] + 1)
 
-            Q0, Q1 = T.alloc_shared((C, D), dtype), T.alloc_shared((C, D), dtype)
-            K0, K1 = T.alloc_shared((C, D), dtype), T.alloc_shared((C, D), dtype)
-            # per stage: GA and beta when the walk forms W, else W
-            W0, W1 = (T.alloc_shared((C, C if form_w else D), dtype) for _ in range(2))
-            b0, b1 = (T.alloc_shared((C,), "float32") for _ in range(2))
-            dO0, dO1 = T.alloc_shared((C, BV), dtype), T.alloc_shared((C, BV), dtype)
-            graw0, graw1 = T.alloc_shared((C,), "float32"), T.alloc_shared((C,), "float32")
-            gc_sh = T.alloc_shared((C,), "float32")
-            gs_sh = T.alloc_shared((C,), "float32")
-            dS_sh = T.alloc_shared((D, BV), dtype)
-            X_sh = T.alloc_shared((C, BV), dtype)
-            dOg_sh = T.alloc_shared((C, BV), dtype)
-            P_sh = T.alloc_shared((C, C), dtype)
-            bg_sh = T.alloc_shared((C,), "float32")  # beta gamma (forming W)
-            GAbg_sh = T.alloc_shared((C, C), dtype)  # GA diag(beta gamma) (forming W)
-            Wf_sh = T.alloc_shared((C, D), dtype)  # the W formed (forming W)
-            dS = T.alloc_fragment((D, BV), "float32")
-            KdS = T.alloc_fragment((C, BV), "float32")
+            # two stages of chunk inputs (TMA); P and W a chunk ahead; each chain's dS and dV' tiles
+            Q_s = T.alloc_shared((2, C, D), dtype)
+            K_s = T.alloc_shared((2, C, D), dtype)
+            W_s = T.alloc_shared((2, C, C if form_w else D), dtype)  # GA when the walk forms W, else W
+            dO_s = T.alloc_shared((2, 2, C, H), dtype)  # the two chains' halves
+            g_s = T.alloc_shared((2, C), "float32")  # base-2 gates
+            b_s = T.alloc_shared((2, C), "float32")  # beta
+            P_sh = T.alloc_shared((2, C, C), dtype)
+            Wf_sh = T.alloc_shared((2, C, D) if form_w else (1, 8, 8), dtype)  # the W formed
+            GAbg_sh = T.alloc_shared((C, C) if form_w else (8, 8), dtype)  # GA diag(beta gamma)
+            dS_sh0, dS_sh1 = T.alloc_shared((D, H), dtype), T.alloc_shared((D, H), dtype)
+            X_sh0, X_sh1 = T.alloc_shared((C, H), dtype), T.alloc_shared((C, H), dtype)  # gamma dOs, then dV'
+
+            dS0, dS1 = T.alloc_fragment((D, H), "float32"), T.alloc_fragment((D, H), "float32")
+            KdS0, KdS1 = T.alloc_fragment((C, H), "float32"), T.alloc_fragment((C, H), "float32")
+            tail0, tail1 = T.alloc_fragment((C,), "float32"), T.alloc_fragment((C,), "float32")
+            decay0, decay1 = T.alloc_var("float32"), T.alloc_var("float32")
             P = T.alloc_fragment((C, C), "float32")
-            W = T.alloc_fragment((C, D), "float32")  # forming W
-            tail = T.alloc_fragment((C,), "float32")  # gamma_last / gamma of each row
-            decay = T.alloc_var("float32")  # gamma_last
+            W = T.alloc_fragment((C, D) if form_w else (C, 32), "float32")
 
-            if use_dht != 0:
-                T.copy(dht[state_row, 0:D, v0:v0 + BV], dS)
+            ready = T.alloc_barrier(arrive_count=[32, 32])  # the loader warp (and the TMA bytes)
+            free = T.alloc_barrier(arrive_count=[3 * WG, 3 * WG])
+            pw_ready = T.alloc_barrier(arrive_count=[WG, WG])
+            pw_free = T.alloc_barrier(arrive_count=[2 * WG, 2 * WG])
+
+            tx = T.get_thread_binding()
+            if tx < WG:
+                chain(0, CHAIN_BARRIERS[0], v0, n, h, num_chunks, seq_len, state_row, chunk_offsets, dht, dh_out, dh0,
+                      use_dht, store_dh0, store_dh, scale, Q_s, K_s, W_s, dO_s, g_s, P_sh, Wf_sh, dS_sh0, X_sh0, dS0,
+                      KdS0, tail0, decay0, ready, free, pw_ready, pw_free)
+            elif tx < 2 * WG:
+                chain(1, CHAIN_BARRIERS[1], v0, n, h, num_chunks, seq_len, state_row, chunk_offsets, dht, dh_out, dh0,
+                      use_dht, store_dh0, store_dh, scale, Q_s, K_s, W_s, dO_s, g_s, P_sh, Wf_sh, dS_sh1, X_sh1, dS1,
+                      KdS1, tail1, decay1, ready, free, pw_ready, pw_free)
+            elif tx < 3 * WG:  # local: the chunk's masked scores P and W, a chunk ahead of the chains
+                T.set_max_nreg(LOCAL_REGS, 1)
+                for i in T.serial(num_chunks):
+                    c = num_chunks - 1 - i
+                    stage = i % 2
+                    n_rows = T.min(C, seq_len - c * C)
+                    T.barrier_wait(ready[stage], (i // 2) % 2)
+                    T.barrier_wait(pw_free[stage], (i // 2 + 1) % 2)
+                    T.wgmma_gemm(Q_s[stage, :, :], K_s[stage, :, :], P, transpose_B=True, clear_accum=True)
+                    if form_w:  # W = GA diag(beta gamma) K, beta gamma 0 past the sequence end
+                        for r, s in T.Parallel(C, C):
+                            GAbg_sh[r, s] = T.cast(
+                                W_s[stage, r, s] * T.if_then_else(s < n_rows, T.exp2(g_s[stage, s]) * b_s[stage, s],
+                                                                  0.0), dtype)
+                        T.fence_proxy_async()
+                        T.sync_threads(LOCAL_BARRIER, WG)
+                        T.wgmma_gemm(GAbg_sh, K_s[stage, :, :], W, clear_accum=True)
+                        T.wait_wgmma(1)
+                    else:
+                        T.wait_wgmma(0)
+                    T.warpgroup_fence_operand(P, num_regs=C * C // WG)
+                    # scale (Gamma o Q K^T) over the rows that exist; with it P^T dO = P^T dOs
+                    for r, s in T.Parallel(C, C):
+                        P[r, s] = T.Select(r < n_rows and r >= s,
+                                           P[r, s] * T.exp2(g_s[stage, r] - g_s[stage, s]) * scale, 0.0)
+                    T.copy(P, P_sh[stage, :, :])
+                    if form_w:
+                        T.wait_wgmma(0)
+                        T.warpgroup_fence_operand(W, num_regs=C * D // WG)
+                        T.copy(W, Wf_sh[stage, :, :])
+                    T.fence_proxy_async()
+                    T.barrier_arrive(pw_ready[stage])
+                    T.barrier_arrive(free[stage])
             else:
-                T.clear(dS)
-            T.copy(dS, dS_sh)
-            if num_chunks > 0:
-                load_chunk(q, k, w, GA, beta, do, gcum, bos + (num_chunks - 1) * C, hk, h, v0, Q0, K0, W0, b0, dO0,
-                           graw0)
-
-            for i in T.serial(num_chunks):
-                c = num_chunks - 1 - i
-                chunk_index = chunk_offsets[n] + c
-                n_rows = T.min(C, eos - bos - c * C)  # < C only in the sequence's last chunk
-                if i % 2 == 0:
-                    if i + 1 < num_chunks:
-                        load_chunk(q, k, w, GA, beta, do, gcum, bos + (c - 1) * C, hk, h, v0, Q1, K1, W1, b1, dO1,
-                                   graw1)
-                        T.ptx_wait_group(loads)
-                    else:
-                        T.ptx_wait_group(0)
-                    T.sync_threads()
-                    chunk_step(dh_out, store_dh, chunk_index, n_rows, h, v0, scale, Q0, K0, W0, b0, dO0, graw0, gc_sh,
-                               dS_sh, X_sh, dOg_sh, P_sh, gs_sh, bg_sh, GAbg_sh, Wf_sh, dS, KdS, P, W, tail, decay)
-                else:
-                    if i + 1 < num_chunks:
-                        load_chunk(q, k, w, GA, beta, do, gcum, bos + (c - 1) * C, hk, h, v0, Q0, K0, W0, b0, dO0,
-                                   graw0)
-                        T.ptx_wait_group(loads)
-                    else:
-                        T.ptx_wait_group(0)
-                    T.sync_threads()
-                    chunk_step(dh_out, store_dh, chunk_index, n_rows, h, v0, scale, Q1, K1, W1, b1, dO1, graw1, gc_sh,
-                               dS_sh, X_sh, dOg_sh, P_sh, gs_sh, bg_sh, GAbg_sh, Wf_sh, dS, KdS, P, W, tail, decay)
-                T.sync_threads()
-
-            if store_dh0 != 0:
-                T.copy(dS, dh0[state_row, 0:D, v0:v0 + BV])
+                T.set_max_nreg(PRODUCER_REGS, 0)
+                if tx < 3 * WG + 32:  # loader: the i-th chunk walked into stage i % 2 once every consumer freed it
+                    for i in T.serial(num_chunks):
+                        c = num_chunks - 1 - i
+                        stage = i % 2
+                        t0 = bos + c * C
+                        T.barrier_wait(free[stage], (i // 2 + 1) % 2)
+                        T.tma_copy(q[t0:t0 + C, hk, 0:D], Q_s[stage, :, :], barrier=ready[stage])
+                        T.tma_copy(k[t0:t0 + C, hk, 0:D], K_s[stage, :, :], barrier=ready[stage])
+                        if form_w:
+                            T.tma_copy(GA[t0:t0 + C, h, 0:C], W_s[stage, :, :], barrier=ready[stage])
+                        else:
+                            T.tma_copy(w[t0:t0 + C, h, 0:D], W_s[stage, :, :], barrier=ready[stage])
+                        T.tma_copy(do[t0:t0 + C, h, v0:v0 + H], dO_s[stage, 0, :, :], barrier=ready[stage])
+                        T.tma_copy(do[t0:t0 + C, h, v0 + H:v0 + BV], dO_s[stage, 1, :, :], barrier=ready[stage])
+                        for r in T.Parallel(C):
+                            token = t0 + T.min(r, seq_len - c * C - 1)
+                            g_s[stage, r] = gcum[h, token] * LOG2E
+                            b_s[stage, r] = beta[token, h]
+                        T.barrier_arrive(ready[stage])
 
     return chunk_dstates

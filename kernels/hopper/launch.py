@@ -91,7 +91,7 @@ def compiled_chunk_output(dtype: str):
 def walk_forms_w(block_v: int) -> bool:
     """Whether the reverse walk at V tile `block_v` forms W itself from GA, beta and the gates (one CTA per
     walk: no chunk_w, no W tensor) rather than reading chunk_w's: at narrower tiles every tile of a walk
-    would form the same W, on walks that are latency-bound (chunk_dstates.py)."""
+    would form the same W, and its local warpgroup would set the walk's pace (chunk_dstates.py)."""
     return block_v == HEAD_DIM
 
 
