@@ -4,8 +4,8 @@ tile choice (`launch.block_v_for`), which decides how many CTAs share an SM.
 Nsight Compute on one long sequence (docs/kernels.md) found the walks instruction-issue bound with one
 warp per scheduler: a narrower V tile does less work per chunk and lets more CTAs (walks) share an SM,
 at the price of re-reading K and W once per tile. This prints, per configuration, the time of each
-walk at block_v = 32, 64, 128 and the width dispatch picks today (at 128 the reverse walk forms W itself
-from GA, beta and the gates, `launch.walk_forms_w`, so its time there includes that product).
+walk at block_v = 32, 64, 128 and the width dispatch picks today (at 128 the reverse walk reads GA, beta and
+the gates instead of W, `launch.walk_reads_ga`, so its time there includes the products that replace W).
 
     python benchmarks/bench_walks.py [--reps 20]
 """

@@ -163,8 +163,9 @@ def emulate_fused_fwd(q, k, v, GA, beta, gcum, cu, offsets, h0, o, ht, h_out, sc
 
 
 def emulate_chunk_dstates(q, k, w, GA, beta, do, gcum, cu, offsets, dht, dh_out, dh0, last_chunks, scale, use_dht,
-                          store_dh0, store_dh, use_last, form_w):
-    """With `form_w` (the build at V tile 128) W = GA diag(beta gamma) K per chunk; else W is read from `w`.
+                          store_dh0, store_dh, use_last, from_ga):
+    """With `from_ga` (the build at V tile 128) W = GA diag(beta gamma) K per chunk (the kernel takes W^T dV' as
+    K^T diag(beta gamma) (GA^T dV'), never forming W); else W is read from `w`.
     use_last: the walk of (n, h) covers chunks last_chunks[h * N + n] .. 0 of its sequence only."""
     Hv, D = w.shape[1], w.shape[2]
     hk = _qk_heads(q.shape[1], Hv)
@@ -179,7 +180,7 @@ def emulate_chunk_dstates(q, k, w, GA, beta, do, gcum, cu, offsets, dht, dh_out,
                 dh_out[offsets[n] + c] = dS.to(dh_out.dtype)
             P = Gamma * (Q @ K.transpose(-1, -2))
             X = P.transpose(-1, -2) @ dOs + to_end[:, :, None] * (K @ dS)
-            if form_w:
+            if from_ga:
                 W = _rows(GA, t0, rows) @ ((gamma * _rows(beta, t0, rows))[:, :, None] * K)
             else:
                 W = _rows(w, t0, rows)
@@ -268,7 +269,7 @@ def install(monkeypatch):
         "compiled_chunk_output": lambda dtype: emulate_chunk_output,
         "compiled_fused_fwd": lambda dtype, block_v: emulate_fused_fwd,
         "compiled_chunk_dstates": lambda dtype, block_v: functools.partial(emulate_chunk_dstates,
-                                                                           form_w=launch.walk_forms_w(block_v)),
+                                                                           from_ga=launch.walk_reads_ga(block_v)),
         "compiled_chunk_bwd_local": lambda dtype: emulate_chunk_bwd_local,
         "compiled_gqa_sum": lambda dtype: emulate_gqa_sum,
         "compiled_segment_chain": lambda block_v: emulate_segment_chain,

@@ -579,7 +579,7 @@ def test_backward_reads_the_inverse_its_forward_kept(hopper, monkeypatch, intra_
     """A forward whose backward will run keeps its GA and gates, and its backward runs no wy_inverse (with
     FLASHQLA_KEEP_INVERSE=0 it runs it again); either way the backward's states come from
     fused_fwd's state walk and, for the reverse walk, W alone from chunk_w (no chunk_states) at narrow
-    V tiles, or no chunk_w at all where the walks fill the SMs (V tile 128: the walk forms W from GA),
+    V tiles, or no chunk_w at all where the walks fill the SMs (V tile 128: the walk reads GA instead),
     unsegmented and with intra-card segments (whose walk from zero stores no per-chunk dS), and the gradients
     are the torch backend's. Under no_grad nothing is kept."""
     import flashqla

@@ -3,7 +3,7 @@
     (wy_inverse)          GA = Gamma o A and the chunk-local cumulative gates: the forward's, kept
                           (`KeptInverse`), or recomputed (the forward's build) when it kept none
     chunk_w               W = diag(gamma) A diag(beta) K, which the reverse walk reads at V tiles below 128
-                          (at 128, where the walks fill the GPU, the walk forms W itself)
+                          (at 128, where the walks fill the GPU, the walk reads GA instead)
     fused_fwd (states)    the state entering every chunk (input dtype): the forward's walk again, without O
     chunk_dstates         the reverse walk: the gradient of the state leaving every chunk, and dS0
                           (beside the state walk on a second stream when one walk leaves SMs idle)
@@ -23,7 +23,7 @@ import functools
 import torch
 
 from .launch import (HEAD_DIM, ChunkedCall, block_v_on, compiled_chunk_bwd_local, compiled_chunk_dstates,
-                     compiled_gqa_sum, fused_states, prepare, prepare_from_kept, sm_count_on, walk_forms_w,
+                     compiled_gqa_sum, fused_states, prepare, prepare_from_kept, sm_count_on, walk_reads_ga,
                      walk_w, walks_fill)
 
 
@@ -59,15 +59,15 @@ def output_gradient(x: ChunkedCall, do: torch.Tensor) -> torch.Tensor:
 def state_gradients(x: ChunkedCall, do: torch.Tensor, scale: float, dht, store_dh: bool = True, last_chunks=None):
     """chunk_dstates over every sequence of `x` from dO (`output_gradient`) with the output scale and dht
     (fp32 [N, Hv, 128, 128], or None for zero): (dh [chunk_slots, Hv, 128, 128] in the input dtype, or None
-    without store_dh, dS0 fp32 [N, Hv, 128, 128]). At V tile 128 the walk forms W itself from GA, beta and the
-    gates; at narrower tiles it reads x's W, computed here (chunk_w, every chunk) when x has none.
+    without store_dh, dS0 fp32 [N, Hv, 128, 128]). At V tile 128 the walk reads GA, beta and the gates instead of
+    W; at narrower tiles it reads x's W, computed here (chunk_w, every chunk) when x has none.
     last_chunks: int32 [Hv, N] or None: the walk of (n, h) covers only chunks last_chunks[h, n] .. 0 of its
     sequence (a warmed-up walk from zero: store_dh False, no dht)."""
     if last_chunks is not None and (store_dh or dht is not None):
         raise ValueError("last_chunks truncate a walk from zero that stores dS0 alone")
     N, Hv, device, D = x.num_seqs, x.num_v_heads, x.q.device, HEAD_DIM
     block_v = block_v_on(device, N, Hv)
-    if walk_forms_w(block_v):
+    if walk_reads_ga(block_v):
         w = x.v  # a stand-in: the walk reads GA and beta instead
     else:
         if x.w is None:

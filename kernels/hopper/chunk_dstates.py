@@ -20,36 +20,40 @@ of dO only, so two chain warpgroups each own half of the V tile's columns and ne
   | 0, 1       | half of dS's columns (fp32) | dh out (TMA store of dS_sh), K dS, dS *= gamma_last,           |
   | (chain)    |                             | dS += (gamma Q)^T dOs, P^T dOs, dV' -> X_sh, dS -= W^T dV',    |
   |            |                             | dS -> dS_sh (bf16) for the next chunk's K dS and dh            |
-  | 2 (local)  | P, W                        | P = Gamma o Q K^T (masked, scaled) and, with `form_w`,         |
-  |            |                             | W = GA diag(beta gamma) K: both need no state, so they run a   |
-  |            |                             | chunk ahead of the chains into a second buffer                 |
+  | 2 (local)  | P                           | P = Gamma o Q K^T (masked, scaled): it needs no state, so it   |
+  |            |                             | runs a chunk ahead of the chains into a second buffer          |
   | 3          | warp 0: loader              | TMA loads of Q, K, GA (or W), dO (two halves), gates and beta  |
   |            |                             | of the next chunk into the other stage                         |
 
-A chain step is two product stages (K dS beside (gamma Q)^T dOs, then P^T dOs into K dS's accumulator once
-it is scaled, and W^T dV') with named barriers of its own warpgroup; the masked scores, W, the dh store and
-every load are off the chain. H200, 2026-12-04, against the previous walk (256 threads sharing every product,
-cp.async double buffer, CTA-wide barriers), the walk alone on the public op's arguments, outputs bitwise
-equal: 561.6 -> 458.4 us at (16, 32) x 4K x 8 (V tile 128), 1110 -> 899 at (16, 64) x 8K x 4, 421 -> 256 at
-(4, 8) x 8K x 8 (64), 366 -> 216 at (2, 8) x 8K x 4 (32), 383 -> 204 at (2, 4) x 8K x 1 (32); FlashQLA's
-backward matrix 0.77x -> 0.82x (docs/kernels.md, "Thirty-second session"). mbarriers,
-phase parity (i // 2) % 2 for the i-th chunk walked (stage and buffer i % 2):
-    ready[s]     loader -> all        stage s holds the chunk (TMA bytes + the loader warp's gate stores)
+A chain step is K dS beside (gamma Q)^T dOs, then P^T dOs into K dS's accumulator once it is scaled by
+gamma_last / gamma (a third [64, BV/2] accumulator spills), then W^T dV', with named barriers of its own
+warpgroup only; the masked scores, the dh store and every load are off the chain. mbarriers, phase parity
+(i // 2) % 2 for the i-th chunk walked (stage and buffer i % 2):
+    ready[s]     loader -> all             stage s holds the chunk (TMA bytes + the loader warp's gate stores)
     free[s]      chains, local -> loader   stage s is read
-    pw_ready[s]  local -> chains      P_sh[s] (and Wf_sh[s]) hold the chunk's P (and W)
-    pw_free[s]   chains -> local      both chains' products have read P_sh[s] (and Wf_sh[s])
+    pw_ready[s]  local -> chains           P_sh[s] holds the chunk's P
+    pw_free[s]   chains -> local           both chains' products have read P_sh[s]
 No phase completes twice before its waiters pass it: every producer of a phase first waits for the consumer's
 acknowledgement of the one before.
 
-W: with `form_w` (launch.walk_forms_w) the local warpgroup forms W per chunk from the forward's GA, beta and
-the gates, W = GA diag(beta gamma) K (Gamma_rs gamma_s = gamma_r): no `chunk_w` launch and no W tensor
-(T x Hv x 256 bytes); else the walk reads `chunk_w`'s W. At V tiles below 128 every tile of a walk would form
-the same W and the local warpgroup would set the pace (H200: 399 against 256 us at (4, 8) x 8K x 8, V tile 64).
+W: with `from_ga` (launch.walk_reads_ga: V tile 128) W is never formed: with W = GA diag(beta gamma) K (Gamma_rs
+gamma_s = gamma_r), W^T dV' = K^T diag(beta gamma) (GA^T dV'), two products on the chains from the forward's GA,
+beta and the gates: no `chunk_w` launch and no W tensor (T x Hv x 256 bytes). Else the chains read `chunk_w`'s W.
 The unused operands are stand-ins (`v` for W).
+
+H200, 2026-12-04 (docs/kernels.md, "Thirty-second session"), the walk alone on the public op's arguments:
+against the previous walk (256 threads sharing every product, cp.async double buffer, CTA-wide barriers), the
+first layout of this one, with W formed by the local warpgroup, was 1.22-1.24x faster at V tile 128 (561.6 ->
+458.4 us at (16, 32) x 4K x 8), 1.64-1.66x at 64 (421 -> 256 at (4, 8) x 8K x 8), 1.66-1.88x at 32 (383 -> 204
+at (2, 4) x 8K x 1), outputs bitwise equal; FlashQLA's backward matrix 0.77x -> 0.82x. The local warpgroup set
+the pace at 128 (the chains alone: 330 us): without W there, 458.8 -> 374.5 us at (16, 32) x 4K x 8, 899.7 ->
+719.7 at (16, 64) x 8K x 4 (dh within 3.5e-3 of the W form's: other roundings, both within the float64
+tests' bounds). At V tiles 64 and 32 this form is 0.91-0.95x the walk reading `chunk_w`'s W (before counting
+`chunk_w` itself; the whole backward was not measured), so those still read it.
 
 Sequences of any length: in a sequence's last, partial chunk the gates past its end repeat the last one
 (factor 1) and the rows past its end are masked out of P, dOs and dV' (they hold the next sequence's tokens,
-or TMA's zero fill past the tensor end: finite); beta gamma is 0 there, so W's rows past the end are 0.
+or TMA's zero fill past the tensor end: finite); beta gamma is 0 there, so they add nothing through W.
 
 The kernel reads dO itself and applies `scale` in fp32 where dO enters the algebra (on the masked P and on
 gamma dO, both formed elementwise anyway), so no scaled copy of dO is made.
@@ -65,12 +69,11 @@ LOG2E = 1.4426950408889634
 WARPGROUP = 128
 CHAIN_REGS, LOCAL_REGS, PRODUCER_REGS = 168, 136, 40  # 2 x 168 + 136 + 40 = 512 per thread of a warpgroup
 CHAIN_BARRIERS = (8, 9)
-LOCAL_BARRIER = 10
 
 
-def build_chunk_dstates(dtype: str, block_v: int, form_w: bool):
-    """Build the walk for `dtype` and V tile `block_v`; with `form_w` it forms W from GA, beta and the gates
-    (launch.walk_forms_w chooses), else it reads W."""
+def build_chunk_dstates(dtype: str, block_v: int, from_ga: bool):
+    """Build the walk for `dtype` and V tile `block_v`; with `from_ga` it reads GA and beta instead of W
+    (launch.walk_reads_ga chooses)."""
     if HEAD_DIM % block_v or block_v % 32:
         raise ValueError(f"block_v must be a multiple of 32 dividing {HEAD_DIM}, got {block_v}")
     num_tokens = T.dynamic("num_tokens")
@@ -86,7 +89,7 @@ def build_chunk_dstates(dtype: str, block_v: int, form_w: bool):
 
     @T.macro
     def chain(half, barrier_id, v0, n, h, num_chunks, seq_len, state_row, chunk_offsets, dht, dh_out, dh0, use_dht,
-              store_dh0, store_dh, scale, Q_s, K_s, W_s, dO_s, g_s, P_sh, Wf_sh, dS_sh, X_sh, dS, KdS, tail,
+              store_dh0, store_dh, scale, Q_s, K_s, W_s, dO_s, g_s, b_s, P_sh, dS_sh, X_sh, dS, KdS, tail, bg,
               decay, ready, free, pw_ready, pw_free):
         """Chain warpgroup `half`: columns v0 + half * H .. + H of dS, chunks in reverse."""
         col0 = v0 + half * H
@@ -106,8 +109,10 @@ def build_chunk_dstates(dtype: str, block_v: int, form_w: bool):
             if store_dh != 0:  # the gradient of the state leaving chunk c, read by TMA while the chunk runs
                 T.tma_copy(dS_sh, dh_out[chunk_offsets[n] + c, h, 0:D, col0:col0 + H])
             T.wgmma_gemm(K_s[stage, :, :], dS_sh, KdS, clear_accum=True)  # the chain's first product
-            for r in T.Parallel(C):  # meanwhile gamma_last / gamma of each row
+            for r in T.Parallel(C):  # meanwhile gamma_last / gamma of each row (and beta gamma, 0 past the end)
                 tail[r] = T.exp2(g_s[stage, C - 1] - g_s[stage, r])
+                if from_ga:
+                    bg[r] = T.if_then_else(r < n_rows, T.exp2(g_s[stage, r]) * b_s[stage, r], 0.0)
             decay = T.exp2(g_s[stage, C - 1])
             for r, j in T.Parallel(C, H):  # gamma dOs over the rows that exist, into X_sh
                 X_sh[r, j] = T.if_then_else(r < n_rows, dO_s[stage, half, r, j] * (T.exp2(g_s[stage, r]) * scale), 0.0)
@@ -126,8 +131,6 @@ def build_chunk_dstates(dtype: str, block_v: int, form_w: bool):
             T.wait_wgmma(0)
             T.warpgroup_fence_operand(KdS, num_regs=C * H // WG)
             T.warpgroup_fence_operand(dS, num_regs=D * H // WG)
-            if form_w:
-                T.barrier_arrive(free[stage])  # Q, K and dO of the stage are read (W is in Wf_sh)
             for r, j in T.Parallel(C, H):  # dV' over the rows that exist, negated for the W^T product
                 KdS[r, j] = T.if_then_else(r < n_rows, -KdS[r, j], 0.0)
             T.copy(KdS, X_sh)
@@ -135,15 +138,22 @@ def build_chunk_dstates(dtype: str, block_v: int, form_w: bool):
                 T.tma_store_wait(0)  # dh has left dS_sh (before the barrier below, so dS_sh may be written after it)
             T.fence_proxy_async()
             T.sync_threads(barrier_id, WG)
-            if form_w:
-                T.wgmma_gemm(Wf_sh[stage, :, :], X_sh, dS, transpose_A=True)
+            if from_ga:  # W^T dV' = K^T diag(beta gamma) (GA^T dV'): two products, no W formed
+                T.wgmma_gemm(W_s[stage, :, :], X_sh, KdS, transpose_A=True, clear_accum=True)
+                T.wait_wgmma(0)
+                T.warpgroup_fence_operand(KdS, num_regs=C * H // WG)
+                for r, j in T.Parallel(C, H):
+                    KdS[r, j] = KdS[r, j] * bg[r]
+                T.copy(KdS, X_sh)
+                T.fence_proxy_async()
+                T.sync_threads(barrier_id, WG)
+                T.wgmma_gemm(K_s[stage, :, :], X_sh, dS, transpose_A=True)
             else:
                 T.wgmma_gemm(W_s[stage, :, :], X_sh, dS, transpose_A=True)
             T.wait_wgmma(0)
             T.warpgroup_fence_operand(dS, num_regs=D * H // WG)
             T.barrier_arrive(pw_free[stage])
-            if not form_w:
-                T.barrier_arrive(free[stage])
+            T.barrier_arrive(free[stage])
             T.copy(dS, dS_sh)
             T.fence_proxy_async()
             T.sync_threads(barrier_id, WG)
@@ -185,22 +195,20 @@ def build_chunk_dstates(dtype: str, block_v: int, form_w: bool):
             # two stages of chunk inputs (TMA); P and W a chunk ahead; each chain's dS and dV' tiles
             Q_s = T.alloc_shared((2, C, D), dtype)
             K_s = T.alloc_shared((2, C, D), dtype)
-            W_s = T.alloc_shared((2, C, C if form_w else D), dtype)  # GA when the walk forms W, else W
+            W_s = T.alloc_shared((2, C, C if from_ga else D), dtype)  # GA (from_ga), else W
             dO_s = T.alloc_shared((2, 2, C, H), dtype)  # the two chains' halves
             g_s = T.alloc_shared((2, C), "float32")  # base-2 gates
             b_s = T.alloc_shared((2, C), "float32")  # beta
             P_sh = T.alloc_shared((2, C, C), dtype)
-            Wf_sh = T.alloc_shared((2, C, D) if form_w else (1, 8, 8), dtype)  # the W formed
-            GAbg_sh = T.alloc_shared((C, C) if form_w else (8, 8), dtype)  # GA diag(beta gamma)
             dS_sh0, dS_sh1 = T.alloc_shared((D, H), dtype), T.alloc_shared((D, H), dtype)
             X_sh0, X_sh1 = T.alloc_shared((C, H), dtype), T.alloc_shared((C, H), dtype)  # gamma dOs, then dV'
 
             dS0, dS1 = T.alloc_fragment((D, H), "float32"), T.alloc_fragment((D, H), "float32")
             KdS0, KdS1 = T.alloc_fragment((C, H), "float32"), T.alloc_fragment((C, H), "float32")
             tail0, tail1 = T.alloc_fragment((C,), "float32"), T.alloc_fragment((C,), "float32")
+            bg0, bg1 = T.alloc_fragment((C,), "float32"), T.alloc_fragment((C,), "float32")
             decay0, decay1 = T.alloc_var("float32"), T.alloc_var("float32")
             P = T.alloc_fragment((C, C), "float32")
-            W = T.alloc_fragment((C, D) if form_w else (C, 32), "float32")
 
             ready = T.alloc_barrier(arrive_count=[32, 32])  # the loader warp (and the TMA bytes)
             free = T.alloc_barrier(arrive_count=[3 * WG, 3 * WG])
@@ -210,13 +218,13 @@ def build_chunk_dstates(dtype: str, block_v: int, form_w: bool):
             tx = T.get_thread_binding()
             if tx < WG:
                 chain(0, CHAIN_BARRIERS[0], v0, n, h, num_chunks, seq_len, state_row, chunk_offsets, dht, dh_out, dh0,
-                      use_dht, store_dh0, store_dh, scale, Q_s, K_s, W_s, dO_s, g_s, P_sh, Wf_sh, dS_sh0, X_sh0, dS0,
-                      KdS0, tail0, decay0, ready, free, pw_ready, pw_free)
+                      use_dht, store_dh0, store_dh, scale, Q_s, K_s, W_s, dO_s, g_s, b_s, P_sh, dS_sh0, X_sh0, dS0,
+                      KdS0, tail0, bg0, decay0, ready, free, pw_ready, pw_free)
             elif tx < 2 * WG:
                 chain(1, CHAIN_BARRIERS[1], v0, n, h, num_chunks, seq_len, state_row, chunk_offsets, dht, dh_out, dh0,
-                      use_dht, store_dh0, store_dh, scale, Q_s, K_s, W_s, dO_s, g_s, P_sh, Wf_sh, dS_sh1, X_sh1, dS1,
-                      KdS1, tail1, decay1, ready, free, pw_ready, pw_free)
-            elif tx < 3 * WG:  # local: the chunk's masked scores P and W, a chunk ahead of the chains
+                      use_dht, store_dh0, store_dh, scale, Q_s, K_s, W_s, dO_s, g_s, b_s, P_sh, dS_sh1, X_sh1, dS1,
+                      KdS1, tail1, bg1, decay1, ready, free, pw_ready, pw_free)
+            elif tx < 3 * WG:  # local: the chunk's masked scores P, a chunk ahead of the chains
                 T.set_max_nreg(LOCAL_REGS, 1)
                 for i in T.serial(num_chunks):
                     c = num_chunks - 1 - i
@@ -225,27 +233,13 @@ def build_chunk_dstates(dtype: str, block_v: int, form_w: bool):
                     T.barrier_wait(ready[stage], (i // 2) % 2)
                     T.barrier_wait(pw_free[stage], (i // 2 + 1) % 2)
                     T.wgmma_gemm(Q_s[stage, :, :], K_s[stage, :, :], P, transpose_B=True, clear_accum=True)
-                    if form_w:  # W = GA diag(beta gamma) K, beta gamma 0 past the sequence end
-                        for r, s in T.Parallel(C, C):
-                            GAbg_sh[r, s] = T.cast(
-                                W_s[stage, r, s] * T.if_then_else(s < n_rows, T.exp2(g_s[stage, s]) * b_s[stage, s],
-                                                                  0.0), dtype)
-                        T.fence_proxy_async()
-                        T.sync_threads(LOCAL_BARRIER, WG)
-                        T.wgmma_gemm(GAbg_sh, K_s[stage, :, :], W, clear_accum=True)
-                        T.wait_wgmma(1)
-                    else:
-                        T.wait_wgmma(0)
+                    T.wait_wgmma(0)
                     T.warpgroup_fence_operand(P, num_regs=C * C // WG)
                     # scale (Gamma o Q K^T) over the rows that exist; with it P^T dO = P^T dOs
                     for r, s in T.Parallel(C, C):
                         P[r, s] = T.Select(r < n_rows and r >= s,
                                            P[r, s] * T.exp2(g_s[stage, r] - g_s[stage, s]) * scale, 0.0)
                     T.copy(P, P_sh[stage, :, :])
-                    if form_w:
-                        T.wait_wgmma(0)
-                        T.warpgroup_fence_operand(W, num_regs=C * D // WG)
-                        T.copy(W, Wf_sh[stage, :, :])
                     T.fence_proxy_async()
                     T.barrier_arrive(pw_ready[stage])
                     T.barrier_arrive(free[stage])
@@ -259,7 +253,7 @@ def build_chunk_dstates(dtype: str, block_v: int, form_w: bool):
                         T.barrier_wait(free[stage], (i // 2 + 1) % 2)
                         T.tma_copy(q[t0:t0 + C, hk, 0:D], Q_s[stage, :, :], barrier=ready[stage])
                         T.tma_copy(k[t0:t0 + C, hk, 0:D], K_s[stage, :, :], barrier=ready[stage])
-                        if form_w:
+                        if from_ga:
                             T.tma_copy(GA[t0:t0 + C, h, 0:C], W_s[stage, :, :], barrier=ready[stage])
                         else:
                             T.tma_copy(w[t0:t0 + C, h, 0:D], W_s[stage, :, :], barrier=ready[stage])

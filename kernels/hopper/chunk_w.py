@@ -1,5 +1,5 @@
 """W of every chunk from the forward's gated inverse GA = Gamma o A (design doc §2), for the backward's
-reverse walk at V tiles below 128 (`chunk_dstates` forms W itself at 128; launch.walk_forms_w):
+reverse walk at V tiles below 128 (at 128 `chunk_dstates` reads GA instead; launch.walk_reads_ga):
 
     W = diag(gamma) A diag(beta) K = GA diag(beta gamma) K        (Gamma_rs gamma_s = gamma_r)
 

@@ -88,10 +88,10 @@ def compiled_chunk_output(dtype: str):
     return compile_from("chunk_output", "build_chunk_output", f"chunk_output({dtype})", dtype)
 
 
-def walk_forms_w(block_v: int) -> bool:
-    """Whether the reverse walk at V tile `block_v` forms W itself from GA, beta and the gates (one CTA per
-    walk: no chunk_w, no W tensor) rather than reading chunk_w's: at narrower tiles every tile of a walk
-    would form the same W, and its local warpgroup would set the walk's pace (chunk_dstates.py)."""
+def walk_reads_ga(block_v: int) -> bool:
+    """Whether the reverse walk at V tile `block_v` reads GA, beta and the gates instead of chunk_w's W (no
+    chunk_w, no W tensor): at 128, where one CTA walks each sequence and head; at narrower tiles the GA form of
+    W^T dV' (two products on the walk's chain) was slower than reading W (chunk_dstates.py)."""
     return block_v == HEAD_DIM
 
 
@@ -99,7 +99,7 @@ def walk_forms_w(block_v: int) -> bool:
 def compiled_chunk_dstates(dtype: str, block_v: int):
     """The compiled reverse state-gradient walk (chunk_dstates.py) for `dtype` and `block_v`."""
     return compile_from("chunk_dstates", "build_chunk_dstates", f"chunk_dstates({dtype}, block_v={block_v})", dtype,
-                        block_v, walk_forms_w(block_v))
+                        block_v, walk_reads_ga(block_v))
 
 
 @functools.lru_cache(maxsize=None)
