@@ -192,7 +192,7 @@ def build_chunk_dstates(dtype: str, block_v: int, from_ga: bool):
             if use_last != 0:  # a warmed-up walk from zero: its sequence's chunks last_chunks[h, n] .. 0 only
                 num_chunks = T.min(num_chunks, last_chunks[h * num_seqs + n] + 1)
 
-            # two stages of chunk inputs (TMA); P and W a chunk ahead; each chain's dS and dV' tiles
+            # two stages of chunk inputs (TMA); P a chunk ahead; each chain's dS and dV' tiles
             Q_s = T.alloc_shared((2, C, D), dtype)
             K_s = T.alloc_shared((2, C, D), dtype)
             W_s = T.alloc_shared((2, C, C if from_ga else D), dtype)  # GA (from_ga), else W
