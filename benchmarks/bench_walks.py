@@ -3,9 +3,8 @@ tile choice (`launch.block_v_for`), which decides how many CTAs share an SM.
 
 Nsight Compute on one long sequence (docs/kernels.md) found the walks instruction-issue bound with one
 warp per scheduler: a narrower V tile does less work per chunk and lets more CTAs (walks) share an SM,
-at the price of re-reading K and W once per tile. This prints, per configuration, the time of each
-walk at block_v = 32, 64, 128 and the width dispatch picks today (at 128 the reverse walk reads GA, beta and
-the gates instead of W, `launch.walk_reads_ga`, so its time there includes the products that replace W).
+at the price of re-reading K and GA once per tile. This prints, per configuration, the time of each
+walk at block_v = 32, 64, 128 and the width dispatch picks today.
 
     python benchmarks/bench_walks.py [--reps 20]
 """
@@ -36,7 +35,6 @@ def main():
     for Hqk, Hv, lengths in CONFIGS:
         q, k, v, g, beta, cu = make_inputs(Hqk, Hv, lengths)
         x = launch.prepare(q, k, v, g, beta, cu)
-        w = launch.walk_w(x)  # the reverse walk reads W below V tile 128
         N = len(lengths)
         unused = torch.empty(1, D, D, device="cuda")
         no_active = torch.zeros(1, dtype=torch.int32, device="cuda")
@@ -50,7 +48,7 @@ def main():
             # the plain walk storing every chunk's state: no h0, final state, transition or active list
             run_states = functools.partial(states, x.k, x.v, x.GA, x.beta, x.gcum, x.cu, x.offsets, unused, h, vnew,
                                            unused, unused, no_active, 0, 0, 1, 0, 0)
-            run_dstates = functools.partial(dstates, x.q, x.k, w, x.GA, x.beta, do, x.gcum, x.cu, x.offsets, unused,
+            run_dstates = functools.partial(dstates, x.q, x.k, x.GA, x.beta, do, x.gcum, x.cu, x.offsets, unused,
                                             h, dS0, x.cu, D ** -0.5, 0, 1, 1, 0)
             run_states(), run_dstates()
             states_ms, dstates_ms = eager_median_ms(run_states, args.reps), eager_median_ms(run_dstates, args.reps)

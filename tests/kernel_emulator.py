@@ -9,7 +9,6 @@ torch backend. What they cannot test is the kernels themselves (tests/gpu does t
 """
 from __future__ import annotations
 
-import functools
 
 import torch
 
@@ -84,16 +83,6 @@ def emulate_wy_inverse(k, beta, g, cu, offsets, GA, gcum, chunk_slots, search_st
         _store(GA, t0, n, Gamma * A)  # the walks' operand carries its gate mask, not beta
 
 
-def emulate_chunk_w(k, GA, beta, gcum, cu, offsets, w, chunk_slots, search_steps):
-    """W = GA diag(beta gamma) K from the forward's GA = Gamma o A, every chunk."""
-    Hv = GA.shape[1]
-    hk = _qk_heads(k.shape[1], Hv)
-    for _, _, t0, rows in _chunks(cu):
-        gamma = _gates(gcum, t0, rows)[1]
-        b = _rows(beta, t0, rows)[:, :, None]
-        _store(w, t0, rows, _rows(GA, t0, rows) @ (b * gamma[:, :, None] * _rows(k, t0, rows, hk)))
-
-
 def emulate_chunk_states(k, v, GA, beta, gcum, cu, offsets, h0, h_out, vnew, ht, mt, active, use_h0, store_ht,
                          store_chunks, with_transition, use_active):
     """The state walk: V' = GA diag(beta) (V - diag(gamma) K S) from GA, v and beta (V = 0 for the transition
@@ -162,12 +151,11 @@ def emulate_fused_fwd(q, k, v, GA, beta, gcum, cu, offsets, h0, o, ht, h_out, sc
             ht[n * Hv:(n + 1) * Hv] = S.to(ht.dtype)
 
 
-def emulate_chunk_dstates(q, k, w, GA, beta, do, gcum, cu, offsets, dht, dh_out, dh0, last_chunks, scale, use_dht,
-                          store_dh0, store_dh, use_last, from_ga):
-    """With `from_ga` (the build at V tile 128) W = GA diag(beta gamma) K per chunk (the kernel takes W^T dV' as
-    K^T diag(beta gamma) (GA^T dV'), never forming W); else W is read from `w`.
-    use_last: the walk of (n, h) covers chunks last_chunks[h * N + n] .. 0 of its sequence only."""
-    Hv, D = w.shape[1], w.shape[2]
+def emulate_chunk_dstates(q, k, GA, beta, do, gcum, cu, offsets, dht, dh_out, dh0, last_chunks, scale, use_dht,
+                          store_dh0, store_dh, use_last):
+    """W = GA diag(beta gamma) K per chunk (the kernel takes W^T dV' as K^T diag(beta gamma) (GA^T dV'), never
+    forming W). use_last: the walk of (n, h) covers chunks last_chunks[h * N + n] .. 0 of its sequence only."""
+    Hv, D = do.shape[1], do.shape[2]
     hk = _qk_heads(q.shape[1], Hv)
     chunks = list(_chunks(cu))
     for n in range(cu.numel() - 1):
@@ -180,10 +168,7 @@ def emulate_chunk_dstates(q, k, w, GA, beta, do, gcum, cu, offsets, dht, dh_out,
                 dh_out[offsets[n] + c] = dS.to(dh_out.dtype)
             P = Gamma * (Q @ K.transpose(-1, -2))
             X = P.transpose(-1, -2) @ dOs + to_end[:, :, None] * (K @ dS)
-            if from_ga:
-                W = _rows(GA, t0, rows) @ ((gamma * _rows(beta, t0, rows))[:, :, None] * K)
-            else:
-                W = _rows(w, t0, rows)
+            W = _rows(GA, t0, rows) @ ((gamma * _rows(beta, t0, rows))[:, :, None] * K)
             dS = torch.where(walks[:, None, None], gamma_last[:, :, None] * dS
                              + Q.transpose(-1, -2) @ (gamma[:, :, None] * dOs) - W.transpose(-1, -2) @ X, dS)
         if store_dh0:
@@ -264,12 +249,10 @@ def install(monkeypatch):
 
     kernels = {
         "compiled_wy_inverse": lambda dtype: emulate_wy_inverse,
-        "compiled_chunk_w": lambda dtype: emulate_chunk_w,
         "compiled_chunk_states": lambda dtype, block_v: emulate_chunk_states,
         "compiled_chunk_output": lambda dtype: emulate_chunk_output,
         "compiled_fused_fwd": lambda dtype, block_v: emulate_fused_fwd,
-        "compiled_chunk_dstates": lambda dtype, block_v: functools.partial(emulate_chunk_dstates,
-                                                                           from_ga=launch.walk_reads_ga(block_v)),
+        "compiled_chunk_dstates": lambda dtype, block_v: emulate_chunk_dstates,
         "compiled_chunk_bwd_local": lambda dtype: emulate_chunk_bwd_local,
         "compiled_gqa_sum": lambda dtype: emulate_gqa_sum,
         "compiled_segment_chain": lambda block_v: emulate_segment_chain,

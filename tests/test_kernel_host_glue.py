@@ -531,35 +531,6 @@ def test_passing_state_and_gradient_equal_the_whole_calls(hopper, monkeypatch, c
     assert all(torch.equal(a, b) for a, b in zip(grads_split + [dh0_split], grads + [dh0]))
 
 
-def test_backward_releases_w_before_the_chunk_local_kernel(hopper, monkeypatch):
-    """W (read only by the reverse walk, computed for it: 3 sequences x 2 heads walk at V tile 32 on 132 SMs)
-    is no longer held when the chunk-local kernel runs, and the gradients are still the torch backend's."""
-    from flashqla.kernels.hopper import backward, launch
-
-    seen = {}
-    real = launch.compiled_chunk_bwd_local
-    real_walk_w = backward.walk_w
-    monkeypatch.setattr(backward, "walk_w", lambda x: seen.setdefault("w_formed", real_walk_w(x)))
-
-    def spy(dtype):
-        kernel = real(dtype)
-
-        def run(*args):
-            seen["w"] = x.w
-            return kernel(*args)
-        return run
-
-    monkeypatch.setattr(backward, "compiled_chunk_bwd_local", spy)
-    args, cu = call([130, 1, 64], Hqk=1, Hv=2, seed=11)
-    x = launch.prepare(*(args[n] for n in NAMES), cu)
-    do = torch.randn(args["v"].shape, generator=torch.Generator().manual_seed(12)).bfloat16()
-    *grads, _ = backward.backward_of(x, *(args[n] for n in NAMES), backward.output_gradient(x, do), 128 ** -0.5,
-                                     args["initial_state"], None)
-    assert seen["w_formed"] is not None and seen["w"] is None
-    *ref, _ = hopper.chunk_gdn_bwd(*(args[n] for n in NAMES), 128 ** -0.5, args["initial_state"], cu, do, None)
-    assert all(torch.equal(a, b) for a, b in zip(grads, ref))
-
-
 def test_the_backward_walks_go_side_by_side_only_where_one_walk_leaves_sms_idle(hopper, monkeypatch):
     """launch.walks_fill on an H200's 132 SMs: one walk at the narrowest V tile (32, four CTAs per sequence
     and v-head) needs 0.7 x 132 CTAs to fill the GPU; below that the backward runs its two walks on two
@@ -572,15 +543,14 @@ def test_the_backward_walks_go_side_by_side_only_where_one_walk_leaves_sms_idle(
     assert launch.walks_fill(h200, 1, 32) and launch.walks_fill(h200, 4, 8)  # 128 CTAs
 
 
-@pytest.mark.parametrize("sm_count", [132, 4], ids=["narrow-walks", "walks-form-w"])
+@pytest.mark.parametrize("sm_count", [132, 4], ids=["narrow-walks", "wide-walks"])
 @pytest.mark.parametrize("intra_cp", ["off", 2])
 @pytest.mark.parametrize("keep", ["1", "0"], ids=["kept", "recomputed"])
 def test_backward_reads_the_inverse_its_forward_kept(hopper, monkeypatch, intra_cp, keep, sm_count):
     """A forward whose backward will run keeps its GA and gates, and its backward runs no wy_inverse (with
     FLASHQLA_KEEP_INVERSE=0 it runs it again); either way the backward's states come from
-    fused_fwd's state walk and, for the reverse walk, W alone from chunk_w (no chunk_states) at narrow
-    V tiles, or no chunk_w at all where the walks fill the SMs (V tile 128: the walk reads GA instead),
-    unsegmented and with intra-card segments (whose walk from zero stores no per-chunk dS), and the gradients
+    fused_fwd's state walk (no chunk_states) and the reverse walk reads GA (no kernel forms W), at narrow V
+    tiles and where the walks fill the SMs (V tile 128), unsegmented and with intra-card segments (whose walk from zero stores no per-chunk dS), and the gradients
     are the torch backend's. Under no_grad nothing is kept."""
     import flashqla
     from flashqla.kernels.hopper import backward, launch
@@ -602,7 +572,6 @@ def test_backward_reads_the_inverse_its_forward_kept(hopper, monkeypatch, intra_
                 monkeypatch.setattr(module, name, compiled)
 
     spy("compiled_wy_inverse", lambda build, args: ())
-    spy("compiled_chunk_w", lambda build, args: ())
     spy("compiled_fused_fwd", lambda build, args: (args[-1],))  # store_states
     spy("compiled_chunk_states", lambda build, args: ())
     spy("compiled_chunk_dstates", lambda build, args: (args[-2], build[1]))  # store_dh, block_v
@@ -636,8 +605,7 @@ def test_backward_reads_the_inverse_its_forward_kept(hopper, monkeypatch, intra_
     # wants dS0 alone
     block_v = 32 if sm_count == 132 else 128  # 4 sequences x 4 heads (x 2 segments) against the SMs
     walks = [("chunk_dstates", 1, block_v)] + ([] if intra_cp == "off" else [("chunk_dstates", 0, block_v)])
-    w = [("chunk_w",)] if block_v < 128 else []  # once: the segments' two walks share it
-    assert backward_launches == sorted(recompute + walks + w + [("fused_fwd", 1)]), backward_launches
+    assert backward_launches == sorted(recompute + walks + [("fused_fwd", 1)]), backward_launches
     limits = (1e-2, 1e-2, 1e-2, 2e-2, 2e-2, 1e-2)
     for name, a, b, limit in zip(names, grads["tilelang"], grads["torch"], limits):
         assert rel_err(a, b) <= limit, (name, rel_err(a, b))

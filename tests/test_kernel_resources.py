@@ -25,8 +25,8 @@ ELECTED_WITH_BARRIER = """\
       tl::__sync_thread_partial(4, 128);
 """
 
-# a per-row register fragment to which TileLang's layout inference gave half the threads (chunk_w with beta
-# gamma read into registers): the storage-sync pass then put a CTA-wide barrier inside the half's branch
+# a per-row register fragment to which TileLang's layout inference gave half the threads (the former chunk_w
+# with beta gamma read into registers): the storage-sync pass then put a CTA-wide barrier inside the half's branch
 HALF_CTA_WITH_BARRIER = """\
     beta_gamma[0] = ((float*)beta_gamma_sh)[(((int)threadIdx.x) & 63)];
     if ((((int)threadIdx.x) >> 6) == 0) {

@@ -12,7 +12,7 @@ Forward: `wy_inverse` (GA = Gamma o A and the chunk-local cumsum of g, per chunk
 state walk per sequence, v-head and V tile) and `chunk_output` (all chunks at once). The segmented forward
 (flashqla/cp/segments.py) adds `segment_gates`, the summary walks (`chunk_states` without per-chunk
 stores) and `segment_chain`. Backward (`chunk_gdn_bwd`, backward.py): from the forward's kept GA and gates
-(`KeptInverse`; `wy_inverse` again when it kept none), `chunk_w` (W, at narrow V tiles), `fused_fwd`'s state walk (the
+(`KeptInverse`; `wy_inverse` again when it kept none), `fused_fwd`'s state walk (the
 state entering every chunk) beside the reverse walk `chunk_dstates`, then `chunk_bwd_local` (every chunk's
 gradients at once) and `gqa_sum`. Intra-card and inter-card CP
 (flashqla/cp) compose the same pieces: prepare, walk, summaries, fold_segments, output, state_gradients,

@@ -1,9 +1,7 @@
-"""Backward of GDN chunked prefill on SM90: five kernels over the forward's flat token layout.
+"""Backward of GDN chunked prefill on SM90: four kernels over the forward's flat token layout.
 
     (wy_inverse)          GA = Gamma o A and the chunk-local cumulative gates: the forward's, kept
                           (`KeptInverse`), or recomputed (the forward's build) when it kept none
-    chunk_w               W = diag(gamma) A diag(beta) K, which the reverse walk reads at V tiles below 128
-                          (at 128, where the walks fill the GPU, the walk reads GA instead)
     fused_fwd (states)    the state entering every chunk (input dtype): the forward's walk again, without O
     chunk_dstates         the reverse walk: the gradient of the state leaving every chunk, and dS0
                           (beside the state walk on a second stream when one walk leaves SMs idle)
@@ -23,8 +21,7 @@ import functools
 import torch
 
 from .launch import (HEAD_DIM, ChunkedCall, block_v_on, compiled_chunk_bwd_local, compiled_chunk_dstates,
-                     compiled_gqa_sum, fused_states, prepare, prepare_from_kept, sm_count_on, walk_reads_ga,
-                     walk_w, walks_fill)
+                     compiled_gqa_sum, fused_states, prepare, prepare_from_kept, sm_count_on, walks_fill)
 
 
 @functools.lru_cache(maxsize=None)
@@ -59,27 +56,20 @@ def output_gradient(x: ChunkedCall, do: torch.Tensor) -> torch.Tensor:
 def state_gradients(x: ChunkedCall, do: torch.Tensor, scale: float, dht, store_dh: bool = True, last_chunks=None):
     """chunk_dstates over every sequence of `x` from dO (`output_gradient`) with the output scale and dht
     (fp32 [N, Hv, 128, 128], or None for zero): (dh [chunk_slots, Hv, 128, 128] in the input dtype, or None
-    without store_dh, dS0 fp32 [N, Hv, 128, 128]). At V tile 128 the walk reads GA, beta and the gates instead of
-    W; at narrower tiles it reads x's W, computed here (chunk_w, every chunk) when x has none.
+    without store_dh, dS0 fp32 [N, Hv, 128, 128]).
     last_chunks: int32 [Hv, N] or None: the walk of (n, h) covers only chunks last_chunks[h, n] .. 0 of its
     sequence (a warmed-up walk from zero: store_dh False, no dht)."""
     if last_chunks is not None and (store_dh or dht is not None):
         raise ValueError("last_chunks truncate a walk from zero that stores dS0 alone")
     N, Hv, device, D = x.num_seqs, x.num_v_heads, x.q.device, HEAD_DIM
     block_v = block_v_on(device, N, Hv)
-    if walk_reads_ga(block_v):
-        w = x.v  # a stand-in: the walk reads GA and beta instead
-    else:
-        if x.w is None:
-            x.w = walk_w(x)
-        w = x.w
     dh = torch.empty(x.chunk_slots if store_dh else 1, Hv, D, D, dtype=x.v.dtype, device=device)
     placeholder = torch.empty(1, D, D, dtype=torch.float32, device=device)
     dht_arg = placeholder if dht is None else dht.float().reshape(N * Hv, D, D).contiguous()
     dS0 = torch.empty(N, Hv, D, D, dtype=torch.float32, device=device)
     last_arg = x.cu if last_chunks is None else last_chunks.reshape(-1)  # int32 either way; unread when None
     compiled_chunk_dstates(x.dtype, block_v)(
-        x.q, x.k, w, x.GA, x.beta, do, x.gcum, x.cu, x.offsets, dht_arg, dh, dS0.view(N * Hv, D, D), last_arg,
+        x.q, x.k, x.GA, x.beta, do, x.gcum, x.cu, x.offsets, dht_arg, dh, dS0.view(N * Hv, D, D), last_arg,
         scale, int(dht is not None), 1, int(store_dh), int(last_chunks is not None))
     return (dh if store_dh else None), dS0
 
@@ -89,9 +79,7 @@ def backward_of(x: ChunkedCall, q, k, v, g, beta, do, scale, h0, dht):
     (`output_gradient`) with the output scale, their initial states h0 and the gradients dht of their
     final states (fp32 [N, Hv, 128, 128] or None): (dq, dk, dv, dg, dbeta) shaped and typed like q, k, v,
     g, beta, and dS0 fp32 [N, Hv, 128, 128].
-    Releases x's W once the two walks have read it (`ChunkedCall.release_w`), and the per-chunk states
-    before the sums: T x Hv x 256 bytes less held at the chunk-local kernel (where a narrow reverse walk
-    read W), another T x Hv x 1 KB (h and dh) less at the sums."""
+    Releases the per-chunk states before the sums: T x Hv x 1 KB (h and dh) less held there."""
     B, T, Hqk, D = q.shape
     Hv = v.shape[2]
     device = q.device
@@ -108,7 +96,6 @@ def backward_of(x: ChunkedCall, q, k, v, g, beta, do, scale, h0, dht):
         (dh, dS0), h = side_by_side(device, reverse_walk, forward_walk)
     else:
         (dh, dS0), h = reverse_walk(), forward_walk()
-    x.release_w()  # the chunk-local kernel does not read W
     # per v-head in the input dtype: half the bytes of fp32 written here and read by the GQA sums (and
     # T x Hv x 512 bytes less memory at the peak); the sums accumulate in fp32 and round once more
     dq, dk = (torch.empty(B * T, Hv, D, dtype=do.dtype, device=device) for _ in range(2))
@@ -146,7 +133,6 @@ def chunk_gdn_bwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht, k
 
 def entering_state_gradients(q, k, v, g, beta, scale, cu_seqlens, do):
     """dS0 of every sequence when the gradients of their final states are zero: the reverse walk alone
-    (no state recompute, no chunk-local gradients); fp32 [N, Hv, 128, 128]. Inter-card CP's D_p. The walk
-    reads W alone (formed in the walk, or by chunk_w from GA at narrower V tiles)."""
+    (no state recompute, no chunk-local gradients); fp32 [N, Hv, 128, 128]. Inter-card CP's D_p."""
     x = prepare(q, k, v, g, beta, cu_seqlens)
     return state_gradients(x, output_gradient(x, do), scale, None, store_dh=False)[1]

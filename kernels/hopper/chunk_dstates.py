@@ -6,6 +6,10 @@ reverse is
     dV' = (Gamma o Q K^T)^T dOs + diag(gamma_last / gamma) K dS
     dS  = gamma_last dS + (diag(gamma) Q)^T dOs - W^T dV'
 
+W is never formed: with W = GA diag(beta gamma) K (Gamma_rs gamma_s = gamma_r), W^T dV' = K^T diag(beta gamma)
+(GA^T dV'), two products on the chain from the forward's GA, beta and the gates (no W tensor, T x Hv x 256
+bytes, and no kernel to form it).
+
 One CTA per (V tile, sequence, v-head) walks its chunks from the last to the first, writing per chunk the
 gradient of the state leaving it (`dh`, input dtype, at the chunk's slot chunk_offsets[n] + c; not with
 `store_dh` = 0: intra-card CP's walks from zero and inter-card CP's D_p want dS0 alone) and at the end dS0,
@@ -22,11 +26,12 @@ of dO only, so two chain warpgroups each own half of the V tile's columns and ne
   |            |                             | dS -> dS_sh (bf16) for the next chunk's K dS and dh            |
   | 2 (local)  | P                           | P = Gamma o Q K^T (masked, scaled): it needs no state, so it   |
   |            |                             | runs a chunk ahead of the chains into a second buffer          |
-  | 3          | warp 0: loader              | TMA loads of Q, K, GA (or W), dO (two halves), gates and beta  |
+  | 3          | warp 0: loader              | TMA loads of Q, K, GA, dO (two halves), gates and beta         |
   |            |                             | of the next chunk into the other stage                         |
 
 A chain step is K dS beside (gamma Q)^T dOs, then P^T dOs into K dS's accumulator once it is scaled by
-gamma_last / gamma (a third [64, BV/2] accumulator spills), then W^T dV', with named barriers of its own
+gamma_last / gamma (a third [64, BV/2] accumulator spills), then GA^T dV' and K^T (beta gamma GA^T dV'), with
+named barriers of its own
 warpgroup only; the masked scores, the dh store and every load are off the chain. mbarriers, phase parity
 (i // 2) % 2 for the i-th chunk walked (stage and buffer i % 2):
     ready[s]     loader -> all             stage s holds the chunk (TMA bytes + the loader warp's gate stores)
@@ -36,20 +41,15 @@ warpgroup only; the masked scores, the dh store and every load are off the chain
 No phase completes twice before its waiters pass it: every producer of a phase first waits for the consumer's
 acknowledgement of the one before.
 
-W: with `from_ga` (launch.walk_reads_ga: V tile 128) W is never formed: with W = GA diag(beta gamma) K (Gamma_rs
-gamma_s = gamma_r), W^T dV' = K^T diag(beta gamma) (GA^T dV'), two products on the chains from the forward's GA,
-beta and the gates: no `chunk_w` launch and no W tensor (T x Hv x 256 bytes). Else the chains read `chunk_w`'s W.
-The unused operands are stand-ins (`v` for W).
-
-H200, 2026-12-04 (docs/kernels.md, "Thirty-second session"), the walk alone on the public op's arguments:
-against the previous walk (256 threads sharing every product, cp.async double buffer, CTA-wide barriers), the
-first layout of this one, with W formed by the local warpgroup, was 1.22-1.24x faster at V tile 128 (561.6 ->
-458.4 us at (16, 32) x 4K x 8), 1.64-1.66x at 64 (421 -> 256 at (4, 8) x 8K x 8), 1.66-1.88x at 32 (383 -> 204
-at (2, 4) x 8K x 1), outputs bitwise equal; FlashQLA's backward matrix 0.77x -> 0.82x. The local warpgroup set
-the pace at 128 (the chains alone: 330 us): without W there, 458.8 -> 374.5 us at (16, 32) x 4K x 8, 899.7 ->
-719.7 at (16, 64) x 8K x 4 (dh within 3.5e-3 of the W form's: other roundings, both within the float64
-tests' bounds). At V tiles 64 and 32 this form is 0.91-0.95x the walk reading `chunk_w`'s W (before counting
-`chunk_w` itself; the whole backward was not measured), so those still read it.
+H200, 2026-12-04 (docs/kernels.md, "Thirty-second session", "Thirty-third session"), the walk alone on the public op's
+arguments: against the previous walk (256 threads sharing every product, cp.async double buffer, CTA-wide
+barriers), the first layout of this one, with W formed by the local warpgroup, was 1.22-1.24x faster at V tile
+128 (561.6 -> 458.4 us at (16, 32) x 4K x 8), 1.64-1.66x at 64 (421 -> 256 at (4, 8) x 8K x 8), 1.66-1.88x at 32
+(383 -> 204 at (2, 4) x 8K x 1), outputs bitwise equal; FlashQLA's backward matrix 0.77x -> 0.82x. The local
+warpgroup set the pace at 128 (the chains alone: 330 us): without W, 458.8 -> 374.5 us at (16, 32) x 4K x 8,
+899.7 -> 719.7 at (16, 64) x 8K x 4 (dh within 3.5e-3 of the W form's: other roundings). At V tiles 64 and 32 the
+GA form is 0.91-0.95x the walk reading a precomputed W, but the whole backward without the kernel that formed W
+is 1.00-1.06x faster (fwd+bwd, (4, 8) 8K x 8 2.057 -> 1.941 ms), so every tile reads GA.
 
 Sequences of any length: in a sequence's last, partial chunk the gates past its end repeat the last one
 (factor 1) and the rows past its end are masked out of P, dOs and dV' (they hold the next sequence's tokens,
@@ -63,17 +63,17 @@ that a tensor-core product or a TMA store reads is followed by `fence.proxy.asyn
 """
 import tilelang.language as T
 
+from .walk_gates import load_gate_rows
+
 CHUNK = 64
 HEAD_DIM = 128
-LOG2E = 1.4426950408889634
 WARPGROUP = 128
 CHAIN_REGS, LOCAL_REGS, PRODUCER_REGS = 168, 136, 40  # 2 x 168 + 136 + 40 = 512 per thread of a warpgroup
 CHAIN_BARRIERS = (8, 9)
 
 
-def build_chunk_dstates(dtype: str, block_v: int, from_ga: bool):
-    """Build the walk for `dtype` and V tile `block_v`; with `from_ga` it reads GA and beta instead of W
-    (launch.walk_reads_ga chooses)."""
+def build_chunk_dstates(dtype: str, block_v: int):
+    """Build the walk for `dtype` and V tile `block_v`."""
     if HEAD_DIM % block_v or block_v % 32:
         raise ValueError(f"block_v must be a multiple of 32 dividing {HEAD_DIM}, got {block_v}")
     num_tokens = T.dynamic("num_tokens")
@@ -89,7 +89,7 @@ def build_chunk_dstates(dtype: str, block_v: int, from_ga: bool):
 
     @T.macro
     def chain(half, barrier_id, v0, n, h, num_chunks, seq_len, state_row, chunk_offsets, dht, dh_out, dh0, use_dht,
-              store_dh0, store_dh, scale, Q_s, K_s, W_s, dO_s, g_s, b_s, P_sh, dS_sh, X_sh, dS, KdS, tail, bg,
+              store_dh0, store_dh, scale, Q_s, K_s, GA_s, dO_s, g_s, b_s, P_sh, dS_sh, X_sh, dS, KdS, tail, bg,
               decay, ready, free, pw_ready, pw_free):
         """Chain warpgroup `half`: columns v0 + half * H .. + H of dS, chunks in reverse."""
         col0 = v0 + half * H
@@ -111,8 +111,7 @@ def build_chunk_dstates(dtype: str, block_v: int, from_ga: bool):
             T.wgmma_gemm(K_s[stage, :, :], dS_sh, KdS, clear_accum=True)  # the chain's first product
             for r in T.Parallel(C):  # meanwhile gamma_last / gamma of each row (and beta gamma, 0 past the end)
                 tail[r] = T.exp2(g_s[stage, C - 1] - g_s[stage, r])
-                if from_ga:
-                    bg[r] = T.if_then_else(r < n_rows, T.exp2(g_s[stage, r]) * b_s[stage, r], 0.0)
+                bg[r] = T.if_then_else(r < n_rows, T.exp2(g_s[stage, r]) * b_s[stage, r], 0.0)
             decay = T.exp2(g_s[stage, C - 1])
             for r, j in T.Parallel(C, H):  # gamma dOs over the rows that exist, into X_sh
                 X_sh[r, j] = T.if_then_else(r < n_rows, dO_s[stage, half, r, j] * (T.exp2(g_s[stage, r]) * scale), 0.0)
@@ -131,25 +130,23 @@ def build_chunk_dstates(dtype: str, block_v: int, from_ga: bool):
             T.wait_wgmma(0)
             T.warpgroup_fence_operand(KdS, num_regs=C * H // WG)
             T.warpgroup_fence_operand(dS, num_regs=D * H // WG)
-            for r, j in T.Parallel(C, H):  # dV' over the rows that exist, negated for the W^T product
+            for r, j in T.Parallel(C, H):  # dV' over the rows that exist, negated for the W^T dV' products
                 KdS[r, j] = T.if_then_else(r < n_rows, -KdS[r, j], 0.0)
             T.copy(KdS, X_sh)
             if store_dh != 0:
                 T.tma_store_wait(0)  # dh has left dS_sh (before the barrier below, so dS_sh may be written after it)
             T.fence_proxy_async()
             T.sync_threads(barrier_id, WG)
-            if from_ga:  # W^T dV' = K^T diag(beta gamma) (GA^T dV'): two products, no W formed
-                T.wgmma_gemm(W_s[stage, :, :], X_sh, KdS, transpose_A=True, clear_accum=True)
-                T.wait_wgmma(0)
-                T.warpgroup_fence_operand(KdS, num_regs=C * H // WG)
-                for r, j in T.Parallel(C, H):
-                    KdS[r, j] = KdS[r, j] * bg[r]
-                T.copy(KdS, X_sh)
-                T.fence_proxy_async()
-                T.sync_threads(barrier_id, WG)
-                T.wgmma_gemm(K_s[stage, :, :], X_sh, dS, transpose_A=True)
-            else:
-                T.wgmma_gemm(W_s[stage, :, :], X_sh, dS, transpose_A=True)
+            # W^T dV' = K^T diag(beta gamma) (GA^T dV'): two products, no W formed
+            T.wgmma_gemm(GA_s[stage, :, :], X_sh, KdS, transpose_A=True, clear_accum=True)
+            T.wait_wgmma(0)
+            T.warpgroup_fence_operand(KdS, num_regs=C * H // WG)
+            for r, j in T.Parallel(C, H):
+                KdS[r, j] = KdS[r, j] * bg[r]
+            T.copy(KdS, X_sh)
+            T.fence_proxy_async()
+            T.sync_threads(barrier_id, WG)
+            T.wgmma_gemm(K_s[stage, :, :], X_sh, dS, transpose_A=True)
             T.wait_wgmma(0)
             T.warpgroup_fence_operand(dS, num_regs=D * H // WG)
             T.barrier_arrive(pw_free[stage])
@@ -164,7 +161,6 @@ def build_chunk_dstates(dtype: str, block_v: int, from_ga: bool):
     def chunk_dstates(
         q: T.Tensor((num_tokens, num_qk_heads, D), dtype),
         k: T.Tensor((num_tokens, num_qk_heads, D), dtype),
-        w: T.Tensor((num_tokens, num_v_heads, D), dtype),
         GA: T.Tensor((num_tokens, num_v_heads, C), dtype),
         beta: T.Tensor((num_tokens, num_v_heads), "float32"),
         do: T.Tensor((num_tokens, num_v_heads, D), dtype),
@@ -195,7 +191,7 @@ def build_chunk_dstates(dtype: str, block_v: int, from_ga: bool):
             # two stages of chunk inputs (TMA); P a chunk ahead; each chain's dS and dV' tiles
             Q_s = T.alloc_shared((2, C, D), dtype)
             K_s = T.alloc_shared((2, C, D), dtype)
-            W_s = T.alloc_shared((2, C, C if from_ga else D), dtype)  # GA (from_ga), else W
+            GA_s = T.alloc_shared((2, C, C), dtype)
             dO_s = T.alloc_shared((2, 2, C, H), dtype)  # the two chains' halves
             g_s = T.alloc_shared((2, C), "float32")  # base-2 gates
             b_s = T.alloc_shared((2, C), "float32")  # beta
@@ -218,11 +214,11 @@ def build_chunk_dstates(dtype: str, block_v: int, from_ga: bool):
             tx = T.get_thread_binding()
             if tx < WG:
                 chain(0, CHAIN_BARRIERS[0], v0, n, h, num_chunks, seq_len, state_row, chunk_offsets, dht, dh_out, dh0,
-                      use_dht, store_dh0, store_dh, scale, Q_s, K_s, W_s, dO_s, g_s, b_s, P_sh, dS_sh0, X_sh0, dS0,
+                      use_dht, store_dh0, store_dh, scale, Q_s, K_s, GA_s, dO_s, g_s, b_s, P_sh, dS_sh0, X_sh0, dS0,
                       KdS0, tail0, bg0, decay0, ready, free, pw_ready, pw_free)
             elif tx < 2 * WG:
                 chain(1, CHAIN_BARRIERS[1], v0, n, h, num_chunks, seq_len, state_row, chunk_offsets, dht, dh_out, dh0,
-                      use_dht, store_dh0, store_dh, scale, Q_s, K_s, W_s, dO_s, g_s, b_s, P_sh, dS_sh1, X_sh1, dS1,
+                      use_dht, store_dh0, store_dh, scale, Q_s, K_s, GA_s, dO_s, g_s, b_s, P_sh, dS_sh1, X_sh1, dS1,
                       KdS1, tail1, bg1, decay1, ready, free, pw_ready, pw_free)
             elif tx < 3 * WG:  # local: the chunk's masked scores P, a chunk ahead of the chains
                 T.set_max_nreg(LOCAL_REGS, 1)
@@ -253,16 +249,10 @@ def build_chunk_dstates(dtype: str, block_v: int, from_ga: bool):
                         T.barrier_wait(free[stage], (i // 2 + 1) % 2)
                         T.tma_copy(q[t0:t0 + C, hk, 0:D], Q_s[stage, :, :], barrier=ready[stage])
                         T.tma_copy(k[t0:t0 + C, hk, 0:D], K_s[stage, :, :], barrier=ready[stage])
-                        if from_ga:
-                            T.tma_copy(GA[t0:t0 + C, h, 0:C], W_s[stage, :, :], barrier=ready[stage])
-                        else:
-                            T.tma_copy(w[t0:t0 + C, h, 0:D], W_s[stage, :, :], barrier=ready[stage])
+                        T.tma_copy(GA[t0:t0 + C, h, 0:C], GA_s[stage, :, :], barrier=ready[stage])
                         T.tma_copy(do[t0:t0 + C, h, v0:v0 + H], dO_s[stage, 0, :, :], barrier=ready[stage])
                         T.tma_copy(do[t0:t0 + C, h, v0 + H:v0 + BV], dO_s[stage, 1, :, :], barrier=ready[stage])
-                        for r in T.Parallel(C):
-                            token = t0 + T.min(r, seq_len - c * C - 1)
-                            g_s[stage, r] = gcum[h, token] * LOG2E
-                            b_s[stage, r] = beta[token, h]
+                        load_gate_rows(gcum, beta, g_s, b_s, stage, h, t0, seq_len - c * C - 1)
                         T.barrier_arrive(ready[stage])
 
     return chunk_dstates

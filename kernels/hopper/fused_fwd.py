@@ -70,9 +70,10 @@ fragment's layout is inferred for the threads of the branch that uses it).
 """
 import tilelang.language as T
 
+from .walk_gates import load_gate_rows
+
 CHUNK = 64
 HEAD_DIM = 128
-LOG2E = 1.4426950408889634
 WARPGROUP = 128
 CHAIN_REGS, OUTPUT_REGS, PRODUCER_REGS = 168, 136, 40  # 2 x 168 + 136 + 40 = 512 per thread of a warpgroup
 CHAIN_BARRIERS = (8, 9)
@@ -303,10 +304,7 @@ def build_fused_fwd(dtype: str, block_v: int):
                         T.tma_copy(k[t0:t0 + C, hk, 0:D], K_s[stage, :, :], barrier=ready[stage])
                         T.tma_copy(v[t0:t0 + C, h, v0:v0 + BV], V_s[stage, :, :], barrier=ready[stage])
                         T.tma_copy(GA[t0:t0 + C, h, 0:C], GA_s[stage, :, :], barrier=ready[stage])
-                        for r in T.Parallel(C):
-                            token = t0 + T.min(r, seq_len - c * C - 1)
-                            g_s[stage, r] = gcum[h, token] * LOG2E
-                            b_s[stage, r] = beta[token, h]
+                        load_gate_rows(gcum, beta, g_s, b_s, stage, h, t0, seq_len - c * C - 1)
                         T.barrier_arrive(ready[stage])
                 elif tx < 3 * WG + 96:
                     if store_by_producer:  # two warps store O (16 bytes per thread and store)

@@ -64,11 +64,6 @@ def compiled_wy_inverse(dtype: str):
 
 
 @functools.lru_cache(maxsize=None)
-def compiled_chunk_w(dtype: str):
-    """The compiled W of every chunk (chunk_w.py) for `dtype`."""
-    return compile_from("chunk_w", "build_chunk_w", f"chunk_w({dtype})", dtype)
-
-
 @functools.lru_cache(maxsize=None)
 def compiled_fused_fwd(dtype: str, block_v: int):
     """The compiled fused forward kernel for `dtype` and V tile width `block_v`."""
@@ -88,18 +83,11 @@ def compiled_chunk_output(dtype: str):
     return compile_from("chunk_output", "build_chunk_output", f"chunk_output({dtype})", dtype)
 
 
-def walk_reads_ga(block_v: int) -> bool:
-    """Whether the reverse walk at V tile `block_v` reads GA, beta and the gates instead of chunk_w's W (no
-    chunk_w, no W tensor): at 128, where one CTA walks each sequence and head; at narrower tiles the GA form of
-    W^T dV' (two products on the walk's chain) was slower than reading W (chunk_dstates.py)."""
-    return block_v == HEAD_DIM
-
-
 @functools.lru_cache(maxsize=None)
 def compiled_chunk_dstates(dtype: str, block_v: int):
     """The compiled reverse state-gradient walk (chunk_dstates.py) for `dtype` and `block_v`."""
     return compile_from("chunk_dstates", "build_chunk_dstates", f"chunk_dstates({dtype}, block_v={block_v})", dtype,
-                        block_v, walk_reads_ga(block_v))
+                        block_v)
 
 
 @functools.lru_cache(maxsize=None)
@@ -135,7 +123,6 @@ def kernel_configs(dtypes=KERNEL_DTYPES):
     """
     for dtype in dtypes:
         yield compiled_wy_inverse, (dtype,)
-        yield compiled_chunk_w, (dtype,)
         yield compiled_chunk_output, (dtype,)
         yield compiled_chunk_bwd_local, (dtype,)
         yield compiled_gqa_sum, (dtype,)
@@ -221,8 +208,6 @@ class ChunkedCall:
     offsets: torch.Tensor  # int32 [N + 1] first chunk slot of every sequence
     chunk_slots: int  # upper bound on the number of chunks
     dtype: str
-    # [T, Hv, 128]  W = diag(gamma) A diag(beta) K, set by the backward for its narrow reverse walks
-    w: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -231,12 +216,6 @@ class ChunkedCall:
     @property
     def num_v_heads(self) -> int:
         return self.gcum.shape[0]
-
-    def release_w(self) -> None:
-        """Drops W (T x Hv x 128 in the input dtype), which only the reverse walks read, so a caller done
-        with the walks does not hold it through what follows (the backward's chunk-local kernel and its
-        sums)."""
-        self.w = None
 
     def kept(self) -> KeptInverse:
         """The inverse this call's backward can start from (`prepare_from_kept`)."""
@@ -344,14 +323,6 @@ def summaries(x: ChunkedCall, with_transition: bool, active=None):
     _, _, S_star, M = _launch_walk(x, None, store_chunks=False, store_final=True, with_transition=with_transition,
                                    active=active)
     return S_star, M
-
-
-def walk_w(x: ChunkedCall) -> torch.Tensor:
-    """W [T, Hv, 128] of every chunk of `x` (chunk_w.py, from GA); rows past a sequence's end unwritten."""
-    # torch.empty, not empty_like: the GPU tests poison what torch.empty returns
-    w = torch.empty(x.v.shape, dtype=x.v.dtype, device=x.v.device)
-    compiled_chunk_w(x.dtype)(x.k, x.GA, x.beta, x.gcum, x.cu, x.offsets, w, x.chunk_slots, x.num_seqs.bit_length())
-    return w
 
 
 def chain_block_v(num_chains: int, sm_count: int) -> int:

@@ -13,8 +13,8 @@ scales the rows of the V tile it multiplies: V' = GA diag(beta) Vd, fused_fwd.py
 keeps beta out so that the backward can read it as well (chunk_bwd_local.py: every A term there has an
 exact GA form, and a column scaled by beta = 0 could not be undone): a forward whose backward will run
 keeps GA and gcum, and the backward computes no second inverse. W = diag(gamma) A diag(beta) K and U =
-GA diag(beta) V (docs/algorithm.md W1-W2) are not formed here: the walks form what they need of them from
-GA, and the backward's narrow reverse walks read W from chunk_w.py. K, L and GA share one buffer: 32.5 KiB
+GA diag(beta) V (docs/algorithm.md W1-W2) are not formed here or anywhere: the walks form what they need of
+them from GA. K, L and GA share one buffer: 32.5 KiB
 of shared memory and 96 registers, 5 CTAs per SM (a build that also stored W and U, dropped on 2026-12-04,
 needed 48.5 KiB and 123: 4). The inverse needs no exp; the gates enter only GA.
 

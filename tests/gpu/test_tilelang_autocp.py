@@ -130,40 +130,6 @@ def test_segment_gates_kernel_matches_its_emulation(threshold):
         assert (want_active[0] > 1).any() and (want_exact[1:] == 1).any()
 
 
-def w64(call):
-    """W = diag(gamma) A diag(beta) K of every chunk in float64 from the inputs, A = (I + StrictLower(diag(beta)
-    K K^T))^{-1}, gamma the chunk-local cumulative gate (design doc §2): [T, Hv, D]."""
-    k = call["k"][0].double()
-    Hv = call["v"].shape[2]
-    k = k.repeat_interleave(Hv // k.shape[1], 1)  # [T, Hv, D]
-    beta, g = call["beta"][0].double(), call["g"][0].double()
-    w = torch.empty(k.shape, dtype=torch.float64, device="cuda")
-    bounds = call["cu_seqlens"].tolist()
-    for bos, eos in zip(bounds[:-1], bounds[1:]):
-        for t0 in range(bos, eos, 64):
-            rows = slice(t0, min(t0 + 64, eos))
-            K, b = k[rows].transpose(0, 1), beta[rows].t()  # [Hv, n, D], [Hv, n]
-            L = torch.tril(b[:, :, None] * (K @ K.transpose(-1, -2)), -1)
-            eye = torch.eye(L.shape[-1], dtype=torch.float64, device="cuda").expand_as(L)
-            A = torch.linalg.solve_triangular(eye + L, eye, upper=False, unitriangular=True)
-            gamma = g[rows].t().cumsum(-1).exp()
-            w[rows] = (gamma[:, :, None] * (A @ (b[:, :, None] * K))).transpose(0, 1)
-    return w
-
-
-def test_chunk_w_matches_float64(poisoned_outputs):
-    """chunk_w's W = GA diag(beta gamma) K from wy_inverse's GA equals W of every chunk in float64, in every
-    row (NaN-poisoned outputs). A pack with 1- and 65-token sequences, GQA 2 -> 8, g = 0 and strong decay
-    heads."""
-    from flashqla.kernels.hopper import launch, prepare
-
-    call = make_call([1000, 65, 1, 2030], 2, 8, seed=6)
-    w = launch.walk_w(prepare(*[call[n] for n in ("q", "k", "v", "g", "beta", "cu_seqlens")]))
-    assert not w.isnan().any()
-    err = rel_err(w, w64(call))
-    assert err <= TOL, err
-
-
 def test_summary_walks_match_the_float64_recurrence_from_their_start(poisoned_outputs, monkeypatch):
     """`summaries`' S* (from zero) and M (the transition: v = 0 from S0 = I) of every (sequence, v-head) from
     the chunk its `active` entry names (a >= 1: chunk a - 1; 0: skipped, zeros) equal the float64 recurrence

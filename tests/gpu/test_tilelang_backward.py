@@ -96,7 +96,7 @@ def test_forced_intra_card_segments(cp_warmup, poisoned_outputs):
 @pytest.mark.parametrize("intra_cp", ["off", 3])
 def test_backward_that_recomputes_the_inverse(intra_cp, poisoned_outputs, monkeypatch):
     """FLASHQLA_KEEP_INVERSE=0: the forward keeps no A and the backward runs wy_inverse again (store_a); every
-    other test here takes the default, the backward reading the forward's GA (W from it, in the walk or chunk_w)."""
+    other test here takes the default, the backward reading the forward's GA."""
     monkeypatch.setenv("FLASHQLA_KEEP_INVERSE", "0")
     assert_grads_match(make_call([1, 65, 64, 130, 7, 200, 1, 129], 2, 6, seed=8), intra_cp=intra_cp)
 
@@ -195,7 +195,6 @@ def test_reverse_walk_from_zero_over_each_walks_leading_chunks_matches_float64(p
     x = launch.prepare(*[call[n] for n in ("q", "k", "v", "g", "beta", "cu_seqlens")])
     for block_v in launch.BLOCK_V_CHOICES:
         monkeypatch.setattr(backward, "block_v_on", lambda *_, bv=block_v: bv)
-        x.w = None
         _, dS0 = backward.state_gradients(x, backward.output_gradient(x, do), D ** -0.5, None, store_dh=False,
                                           last_chunks=last)
         err = rel_err(dS0, want)
