@@ -299,6 +299,8 @@ def main():
     ap.add_argument("--reps", type=int, default=100)
     ap.add_argument("--flashqla-configs", default="0", help="FlashQLA config indices ('all', 'none', '0,3')")
     ap.add_argument("--configs", default="all", help="config indices to run ('all' or '0,3')")
+    ap.add_argument("--skip", default="", help="implementations to leave out, e.g. 'fla' (its Triton forward compiles "
+                    "for about 40 s per shape)")
     ap.add_argument("--out", default="docs/benchmarks.md")
     ap.add_argument("--png", default="docs/benchmarks_fwd.png")
     ap.add_argument("--rows-json", default="", help="write the finished rows here after every config (a run cut "
@@ -316,7 +318,11 @@ def main():
              "fla": impl_fla, "flash_qla": impl_flash_qla, "flash_qla_cp": impl_flash_qla_cp}
     sweep = [int(x) for x in args.cp_sweep.split(",") if x]
     loaded, notes = {}, []
+    skipped = {x for x in args.skip.split(",") if x}
     for key, make in impls.items():
+        if key in skipped:
+            notes.append(f"- {key} left out (--skip)")
+            continue
         try:
             loaded[key] = make()
         except Exception as exc:  # a peer missing from this machine is reported, not fatal

@@ -10,6 +10,9 @@
     git show main:kernels/hopper/chunk_bwd_local.py > .devvar/cbl_main.py
     python3 scripts/ab_kernel.py run chunk_bwd_local .devvar/cbl_main.py build_chunk_bwd_local bfloat16 \\
         --variant-takes 18
+    # the committed kernel with another value of its last runtime argument (here 2 v-heads per CTA)
+    python3 scripts/ab_kernel.py run wy_inverse kernels/hopper/wy_inverse.py build_wy_inverse bfloat16 True \\
+        --variant-last-arg 2 --configs 2:8:16384x1
 
 KERNEL names `launch.compiled_<KERNEL>`, the builder's arguments (integers, True/False, strings) are its
 build arguments. For every config (Hqk:Hv:tokens-per-sequence x sequences, bench_gdn's model-like inputs),
@@ -174,6 +177,11 @@ def first_arguments(kernel, count):
     return lambda *args: kernel(*args[:count])
 
 
+def with_last_argument(kernel, value):
+    """`kernel` called with `value` in place of the last argument it is given."""
+    return lambda *args: kernel(*args[:-1], value)
+
+
 def compile_variant(path, builder, build_args):
     """The variant, built with the package's pass configs plus those in AB_PASS_CONFIGS (a JSON object, e.g.
     '{"tl.disable_thread_storage_sync": true}'; set it alike where the variant is compiled and where it runs,
@@ -199,6 +207,9 @@ def main(argv=None):
                     "(comma- or space-separated) instead of the committed kernel's")
     ap.add_argument("--variant-takes", type=int, default=None, help="run: the variants take the first N runtime "
                     "arguments of the recorded launch (a kernel before trailing arguments were added)")
+    ap.add_argument("--variant-last-arg", type=int, default=None, help="run: the variants get this value as their "
+                    "last runtime argument instead of the recorded launch's (another work split, e.g. wy_inverse's "
+                    "heads per CTA)")
     opts = ap.parse_args(argv)
     if opts.cache:
         os.environ["TILELANG_CACHE_DIR"] = os.path.abspath(opts.cache)
@@ -216,6 +227,8 @@ def main(argv=None):
     variants = {os.path.basename(p): compile_variant(p, builder, variant_args) for p in path.split(",")}
     if opts.variant_takes is not None:
         variants = {name: first_arguments(kernel, opts.variant_takes) for name, kernel in variants.items()}
+    if opts.variant_last_arg is not None:
+        variants = {name: with_last_argument(kernel, opts.variant_last_arg) for name, kernel in variants.items()}
     intra_cp = opts.intra_cp if opts.intra_cp in ("off", "auto") else int(opts.intra_cp)
     ab(kernel, build_args, variants, [parse_config(c) for c in opts.configs.split(",")], make_inputs, intra_cp,
        opts.reps)

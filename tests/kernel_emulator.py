@@ -9,6 +9,8 @@ torch backend. What they cannot test is the kernels themselves (tests/gpu does t
 """
 from __future__ import annotations
 
+import functools
+
 
 import torch
 
@@ -67,8 +69,12 @@ def _output(Q, K, S, Vn, gamma, Gamma, scale):
     return scale * (gamma[:, :, None] * (Q @ S) + (Gamma * (Q @ K.transpose(-1, -2))) @ Vn)
 
 
-def emulate_wy_inverse(k, beta, g, cu, offsets, GA, gcum, chunk_slots, search_steps):
+def emulate_wy_inverse(k, beta, g, cu, offsets, GA, gcum, chunk_slots, search_steps, heads_per_cta, shared_k=True):
+    """shared_k: the build launched (one v-head per CTA without it)."""
     Hv = GA.shape[1]
+    if (Hv // k.shape[1]) % heads_per_cta or (heads_per_cta > 1 and not shared_k):  # one k-head per CTA
+        raise ValueError(f"wy_inverse (shared_k={shared_k}) launched with {heads_per_cta} v-heads per CTA for GQA "
+                         f"groups of {Hv // k.shape[1]}")
     hk = _qk_heads(k.shape[1], Hv)
     for _, _, t0, n in _chunks(cu):
         K = _rows(k, t0, n, hk)  # [Hv, C, D]
@@ -248,7 +254,7 @@ def install(monkeypatch):
     from flashqla.kernels.hopper import backward, launch
 
     kernels = {
-        "compiled_wy_inverse": lambda dtype: emulate_wy_inverse,
+        "compiled_wy_inverse": lambda dtype, shared_k: functools.partial(emulate_wy_inverse, shared_k=shared_k),
         "compiled_chunk_states": lambda dtype, block_v: emulate_chunk_states,
         "compiled_chunk_output": lambda dtype: emulate_chunk_output,
         "compiled_fused_fwd": lambda dtype, block_v: emulate_fused_fwd,

@@ -39,7 +39,7 @@ def test_parse_build_args_and_configs():
 
 def test_the_committed_kernel_against_itself_agrees_exactly(emulated):
     same = kernel_emulator.emulate_wy_inverse
-    rows = ab_kernel.ab("wy_inverse", ("bfloat16",), {"same": same}, CONFIGS, cpu_inputs, log=lambda line: None)
+    rows = ab_kernel.ab("wy_inverse", ("bfloat16", False), {"same": same}, CONFIGS, cpu_inputs, log=lambda line: None)
     assert [row["variant"] for row in rows] == ["same"] * len(CONFIGS)
     for row in rows:
         # GA (5) and gcum (6) are what it writes
@@ -58,7 +58,7 @@ def test_a_wrong_variant_shows_in_values_and_unwritten_rows(emulated):
 
     # both variants on one recorded launch, each on its own NaN-filled copy of the arguments
     wrong, unwritten = (row["outputs"] for row in ab_kernel.ab(
-        "wy_inverse", ("bfloat16",), {"wrong": off_by_a_percent, "unwritten": leaves_the_last_rows},
+        "wy_inverse", ("bfloat16", False), {"wrong": off_by_a_percent, "unwritten": leaves_the_last_rows},
         CONFIGS[:1], cpu_inputs, log=lambda line: None))
     assert 5e-3 < wrong[5][0] < 2e-2 and wrong[5][1] == 0 and wrong[6] == (0.0, 0)
     assert unwritten[6][1] == 4 * 5 and unwritten[5] == (0.0, 0)
@@ -76,7 +76,7 @@ def test_timed_runs_do_not_hide_the_outputs_from_the_comparison(emulated, monkey
     monkeypatch.setattr(ab_kernel.torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(ab_kernel, "graph_time_us", lambda fn, reps=20: (fn(), 1.0)[1])
     same = kernel_emulator.emulate_wy_inverse
-    rows = ab_kernel.ab("wy_inverse", ("bfloat16",), {"first": same, "second": same}, CONFIGS[:1], cpu_inputs,
+    rows = ab_kernel.ab("wy_inverse", ("bfloat16", False), {"first": same, "second": same}, CONFIGS[:1], cpu_inputs,
                         log=lambda line: None)
     for row in rows:
         assert sorted(row["outputs"]) == [5, 6], row
@@ -144,7 +144,15 @@ def test_a_variant_lacking_the_last_runtime_argument_compares_on_the_others(emul
         return committed, args
 
     monkeypatch.setattr(ab_kernel, "record_launch", record)
-    rows = ab_kernel.ab("wy_inverse", ("bfloat16",), {"previous": ab_kernel.first_arguments(previous, -1)},
+    rows = ab_kernel.ab("wy_inverse", ("bfloat16", False), {"previous": ab_kernel.first_arguments(previous, -1)},
                         CONFIGS[:1], cpu_inputs, log=lambda line: None)
     assert seen["count"] == seen["total"] - 1
     assert all(err == 0 and unwritten == 0 for err, unwritten in rows[0]["outputs"].values()), rows
+
+
+def test_variant_last_arg_replaces_the_last_runtime_argument(monkeypatch):
+    calls = []
+    monkeypatch.setattr(ab_kernel, "compile_variant", lambda path, builder, args: lambda *a: calls.append(a))
+    monkeypatch.setattr(ab_kernel, "ab", lambda kernel, build_args, variants, *rest, **kw: variants["same.py"](1, 2, 3))
+    ab_kernel.main(["run", "wy_inverse", "same.py", "build_wy_inverse", "bfloat16", "--variant-last-arg", "4"])
+    assert calls == [(1, 2, 4)]

@@ -531,6 +531,38 @@ def test_passing_state_and_gradient_equal_the_whole_calls(hopper, monkeypatch, c
     assert all(torch.equal(a, b) for a, b in zip(grads_split + [dh0_split], grads + [dh0]))
 
 
+def test_wy_inverse_shares_k_over_as_much_of_a_gqa_group_as_leaves_whole_waves():
+    """One CTA per (chunk, divisor of the GQA group) v-heads: the largest divisor that keeps 1.5 waves of CTAs at
+    five CTAs per SM (990 on an H200's 132 SMs)."""
+    from flashqla.kernels.hopper.launch import wy_heads_per_cta
+
+    assert wy_heads_per_cta(520, 2, 8, 132) == 4  # 8 x 4K tokens: 1040 CTAs
+    assert wy_heads_per_cta(257, 2, 8, 132) == 2  # 16K tokens: 514 CTAs of 4 heads would be under a wave
+    assert wy_heads_per_cta(50, 2, 8, 132) == 1  # 3 x 1000 tokens
+    assert wy_heads_per_cta(513, 8, 24, 132) == 3
+    assert wy_heads_per_cta(513, 1, 6, 132) == 3  # 6 fails the waves, 3 divides the group, 4 does not
+    assert wy_heads_per_cta(10 ** 6, 16, 16, 132) == 1  # no GQA
+
+
+def test_prepare_launches_the_shared_k_build_with_a_gqa_group_per_cta_where_waves_allow(hopper, monkeypatch):
+    """On a one-SM device 7 chunk slots x 8 v-heads leave waves enough for a whole group of 4 per CTA: prepare
+    launches the shared-K build with 4 (the emulator refuses a count that splits a group, or more than one
+    v-head per CTA on the other build); on 132 SMs the one-v-head build. GA and gcum are the same."""
+    from flashqla.kernels.hopper import launch
+
+    launched = []
+    real = launch.compiled_wy_inverse
+    monkeypatch.setattr(launch, "compiled_wy_inverse", lambda dtype, shared_k: lambda *a: launched.append(
+        (shared_k, a[-1])) or real(dtype, shared_k)(*a))
+    args, cu = call([130, 1, 64], Hqk=2, Hv=8, seed=15)
+    inputs = [args[n] for n in NAMES]
+    wide = launch.prepare(*inputs, cu)
+    monkeypatch.setattr(launch, "_sm_count", lambda index: 1)
+    shared = launch.prepare(*inputs, cu)
+    assert launched == [(False, 1), (True, 4)]
+    assert torch.equal(wide.GA, shared.GA) and torch.equal(wide.gcum, shared.gcum)
+
+
 def test_the_backward_walks_go_side_by_side_only_where_one_walk_leaves_sms_idle(hopper, monkeypatch):
     """launch.walks_fill on an H200's 132 SMs: one walk at the narrowest V tile (32, four CTAs per sequence
     and v-head) needs 0.7 x 132 CTAs to fill the GPU; below that the backward runs its two walks on two

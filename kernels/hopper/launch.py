@@ -57,10 +57,11 @@ def compile_from(module: str, builder: str, label: str, *args):
 
 
 @functools.lru_cache(maxsize=None)
-def compiled_wy_inverse(dtype: str):
-    """The compiled wy_inverse kernel for `dtype` (GA and gcum): prebuilt, from TileLang's disk cache, or JIT
-    (kernels/cache.py)."""
-    return compile_from("wy_inverse", "build_wy_inverse", f"wy_inverse({dtype})", dtype)
+def compiled_wy_inverse(dtype: str, shared_k: bool):
+    """The compiled wy_inverse kernel for `dtype` (GA and gcum), with `shared_k` the build that takes several
+    v-heads of a GQA group per CTA: prebuilt, from TileLang's disk cache, or JIT (kernels/cache.py)."""
+    return compile_from("wy_inverse", "build_wy_inverse", f"wy_inverse({dtype}, shared_k={shared_k})", dtype,
+                        shared_k)
 
 
 @functools.lru_cache(maxsize=None)
@@ -122,7 +123,8 @@ def kernel_configs(dtypes=KERNEL_DTYPES):
     configuration; `flashqla precompile` relies on this list alone.
     """
     for dtype in dtypes:
-        yield compiled_wy_inverse, (dtype,)
+        yield compiled_wy_inverse, (dtype, False)
+        yield compiled_wy_inverse, (dtype, True)
         yield compiled_chunk_output, (dtype,)
         yield compiled_chunk_bwd_local, (dtype,)
         yield compiled_gqa_sum, (dtype,)
@@ -160,6 +162,23 @@ def summary_block_v(num_walks: int, sm_count: int) -> int:
         if num_walks * (HEAD_DIM // block_v) <= SUMMARY_MAX_CTAS_PER_SM * sm_count:
             return block_v
     return BLOCK_V_CHOICES[0]
+
+
+WY_INVERSE_CTAS_PER_SM = 5  # wy_inverse.py's occupancy (registers)
+WY_INVERSE_MIN_WAVES = 1.5
+
+
+def wy_heads_per_cta(chunk_slots: int, num_qk_heads: int, num_v_heads: int, sm_count: int) -> int:
+    """v-heads per wy_inverse CTA: the most of one GQA group (a divisor of Hv / Hqk) that still leaves
+    WY_INVERSE_MIN_WAVES waves of CTAs. The CTA loads K and forms K K^T once for them. H200, 2026-12-04 (docs/kernels.md,
+    "Thirty-third session"): a whole group per CTA was 1.08-1.16x at 1.5 to 12 waves ((2, 8) x 4K x 8 60 -> 54 us,
+    (16, 64) x 8K x 4 445 -> 382) and 0.68x at a sixth of a wave ((2, 8) x 1000 x 3)."""
+    group = num_v_heads // num_qk_heads
+    for heads in range(group, 1, -1):
+        if group % heads == 0 and chunk_slots * num_v_heads // heads >= (
+                WY_INVERSE_MIN_WAVES * WY_INVERSE_CTAS_PER_SM * sm_count):
+            return heads
+    return 1
 
 
 def walks_fill(device: torch.device, num_seqs: int, num_v_heads: int) -> bool:
@@ -255,8 +274,10 @@ def prepare(q, k, v, g, beta, cu_seqlens, chunk_offsets=None) -> ChunkedCall:
     q3, k3, v3, beta2 = _flat(q, k, v, beta)
     GA = torch.empty(B * T, Hv, CHUNK, dtype=q.dtype, device=device)
     gcum = torch.empty(Hv, B * T, dtype=torch.float32, device=device)
-    compiled_wy_inverse(_TORCH_TO_TL[q.dtype])(k3, beta2, g.view(B * T, Hv), cu, offsets, GA, gcum, chunk_slots,
-                                               (cu.numel() - 1).bit_length())
+    heads_per_cta = wy_heads_per_cta(chunk_slots, k.shape[2], Hv, sm_count_on(device))
+    inverse = compiled_wy_inverse(_TORCH_TO_TL[q.dtype], heads_per_cta > 1)
+    inverse(k3, beta2, g.view(B * T, Hv), cu, offsets, GA, gcum, chunk_slots, (cu.numel() - 1).bit_length(),
+            heads_per_cta)
     return ChunkedCall(q3, k3, v3, beta2, GA, gcum, cu, offsets, chunk_slots, _TORCH_TO_TL[q.dtype])
 
 

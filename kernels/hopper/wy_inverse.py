@@ -18,14 +18,22 @@ them from GA. K, L and GA share one buffer: 32.5 KiB
 of shared memory and 96 registers, 5 CTAs per SM (a build that also stored W and U, dropped on 2026-12-04,
 needed 48.5 KiB and 123: 4). The inverse needs no exp; the gates enter only GA.
 
-Chunks never straddle sequences. CTA c of the grid finds its sequence by binary search in
+A CTA takes one chunk and, in the `shared_k` build, `heads_per_cta` v-heads of one GQA group
+(launch.wy_heads_per_cta: the most of the group that still leaves 1.5 waves of CTAs), which share K: K is loaded
+and K K^T formed once, then steps 1-5 below run for each of its v-heads (their beta, gates and GA). The other
+build takes one v-head and reads its gates while K is in flight (the shared build at one v-head per CTA was
+0.95-0.97x it, (16, 16) and (32, 32) x 32K). H200, 2026-12-04, a whole group per CTA against
+one v-head: (16, 64) x 8K x 4 445 -> 382 us, (2, 8) x 4K x 8 60 -> 54, (8, 24) x 32K 163 -> 148; GA and gcum
+bitwise equal (docs/kernels.md, "Thirty-third session").
+
+Chunks never straddle sequences. The CTA of chunk slot c finds its sequence by binary search in
 `chunk_offsets` (exclusive prefix sum of chunks per sequence; `search_steps` = bit length of N); CTAs past
 the last chunk and rows past the end of a sequence write nothing. Rows past the end are loaded as zero
 keys, so they cannot reach the rows that exist (A is lower triangular).
 
 Schedule (one warpgroup, 128 threads, per (chunk, v-head)):
-  1. load the K tile (rows beyond the sequence end zeroed); read beta and g, cumsum g and store gcum while K
-     is in flight; K K^T on tensor cores (fp32 accumulate), its strict lower part scaled by beta as it leaves
+  1. (once per CTA) load the K tile (rows beyond the sequence end zeroed) and form K K^T on tensor cores (fp32
+     accumulate); read beta and g, cumsum g and store gcum; K K^T's strict lower part scaled by beta as it leaves
      the accumulator, L = StrictLower(diag(beta) K K^T), to fp32 shared memory (X, the inverse, is written in
      full by steps 2-4 before it is read: no identity fill);
   2. invert the four 16x16 diagonal blocks of I + L by fp32 forward substitution, one column per
@@ -58,8 +66,10 @@ HEAD_DIM = 128
 LOG2E = 1.4426950408889634
 
 
-def build_wy_inverse(dtype: str):
-    """Build the prim_func for q/k/v dtype `dtype` ("bfloat16" or "float16"); all sizes are dynamic."""
+def build_wy_inverse(dtype: str, shared_k: bool):
+    """Build the prim_func for q/k/v dtype `dtype` ("bfloat16" or "float16"); all sizes are dynamic. With
+    `shared_k` a CTA takes `heads_per_cta` v-heads of one GQA group, else one v-head (and `heads_per_cta` must
+    be 1): its gates then load while K is in flight."""
     num_tokens = T.dynamic("num_tokens")
     num_qk_heads = T.dynamic("num_qk_heads")
     num_v_heads = T.dynamic("num_v_heads")
@@ -88,10 +98,21 @@ def build_wy_inverse(dtype: str):
         gcum: T.Tensor((num_v_heads, num_tokens), "float32"),
         num_chunk_slots: T.int32,
         search_steps: T.int32,
+        heads_per_cta: T.int32,
     ):
-        with T.Kernel(num_chunk_slots, num_v_heads, threads=128) as (chunk, h):
+        with T.Kernel(num_chunk_slots * (num_v_heads // heads_per_cta) if shared_k else num_chunk_slots,
+                      1 if shared_k else num_v_heads, threads=128) as (cta, hv):
             T.annotate_min_blocks_per_sm(5)  # <= 102 registers: 5 CTAs per SM (the merge's fragments want 111)
-            hk = h // (num_v_heads // num_qk_heads)
+            chunk = T.alloc_var("int32")
+            h0 = T.alloc_var("int32")  # the CTA's first v-head
+            h = T.alloc_var("int32")  # the v-head in work
+            if shared_k:  # CTA -> (chunk, heads_per_cta v-heads of one GQA group), the head blocks fastest
+                chunk = cta // (num_v_heads // heads_per_cta)
+                h0 = cta % (num_v_heads // heads_per_cta) * heads_per_cta
+            else:
+                chunk = cta
+                h0 = hv
+            hk = h0 // (num_v_heads // num_qk_heads)
 
             K_sh = T.alloc_shared((C, D), dtype)
             beta_sh = T.alloc_shared((C,), "float32")
@@ -110,90 +131,98 @@ def build_wy_inverse(dtype: str):
             seq, start, n_rows = chunk_of_slot(cu_seqlens, chunk_offsets, num_seqs, chunk, search_steps)
             last = T.max(n_rows - 1, 0)
 
-            # --- loads (the gates read while K is in flight) ---------------------------------------------
+            # --- K and K K^T, once for the CTA's v-heads (one GQA group shares K); one v-head's gates meanwhile ----
             T.async_copy(k[start:start + C, hk, 0:D], K_sh)
-            load_gates(beta, g, gcum, beta_sh, g_sh, start, n_rows, last, h)
+            if not shared_k:
+                load_gates(beta, g, gcum, beta_sh, g_sh, start, n_rows, last, h0)
             T.ptx_wait_group(0)
             T.sync_threads()
             if n_rows < C:
                 for r, d in T.Parallel(C, D):
                     if r >= n_rows:
                         K_sh[r, d] = T.cast(0, dtype)
-            # --- L = StrictLower(diag(beta) K K^T). X = (I + L)^{-1} needs no initial value: the steps below
-            # write every element of it before any is read (the diagonal blocks with their zeros above the
-            # diagonal, the lower blocks, the upper blocks as staging that is zeroed after use) -----------------
             T.gemm(K_sh, K_sh, KKt, transpose_B=True, clear_accum=True)
-            for r, s in T.Parallel(C, C):  # beta applied as L leaves the accumulator
-                L_sh[r, s] = T.if_then_else(r > s, beta_sh[r] * KKt[r, s], 0.0)
-            T.sync_threads()
+            for head in T.serial(heads_per_cta if shared_k else 1):
+                h = h0 + head
+                if shared_k:
+                    T.sync_threads()  # the last v-head's steps (and K K^T) are done with the shared tiles
+                    load_gates(beta, g, gcum, beta_sh, g_sh, start, n_rows, last, h)
+                    T.sync_threads()
+                # --- L = StrictLower(diag(beta) K K^T). X = (I + L)^{-1} needs no initial value: the steps below
+                # write every element of it before any is read (the diagonal blocks with their zeros above the
+                # diagonal, the lower blocks, the upper blocks as staging that is zeroed after use) -------------
+                for r, s in T.Parallel(C, C):  # beta applied as L leaves the accumulator
+                    L_sh[r, s] = T.if_then_else(r > s, beta_sh[r] * KKt[r, s], 0.0)
+                T.sync_threads()
 
-            # --- 16x16 diagonal blocks, one column per thread in registers: x_i = e_i - sum_{j<i} L_ij x_j
-            tx = T.get_thread_binding()
-            for i in T.unroll(16):  # read only where j < i after unrolling; zeroed for TileLang's init check
-                col[i] = 0.0
-            if tx < 64:  # two partial sums (even and odd j) halve each row's chain of dependent FMAs
-                blk = tx // 16
-                c = tx % 16
-                for i in T.unroll(16):
-                    acc[0] = T.if_then_else(i == c, 1.0, 0.0)
-                    acc[1] = 0.0
+                # --- 16x16 diagonal blocks, one column per thread in registers: x_i = e_i - sum_{j<i} L_ij x_j
+                tx = T.get_thread_binding()
+                for i in T.unroll(16):  # read only where j < i after unrolling; zeroed for TileLang's init check
+                    col[i] = 0.0
+                if tx < 64:  # two partial sums (even and odd j) halve each row's chain of dependent FMAs
+                    blk = tx // 16
+                    c = tx % 16
+                    for i in T.unroll(16):
+                        acc[0] = T.if_then_else(i == c, 1.0, 0.0)
+                        acc[1] = 0.0
+                        for j in T.unroll(16):
+                            if j < i:
+                                acc[j % 2] = acc[j % 2] - L_sh[blk * 16 + i, blk * 16 + j] * col[j]
+                        col[i] = acc[0] + acc[1]
+                    for i in T.unroll(16):
+                        X_sh[blk * 16 + i, blk * 16 + c] = col[i]
+                T.sync_threads()
+
+                # --- merge 16 -> 32 in both halves p: X21 = -X22 (L21 X11); thread = (p, 4 rows, column)
+                p = tx // 64
+                r0 = (tx // 16) % 4 * 4
+                c2 = tx % 16
+                for r in T.unroll(4):
+                    acc[r] = 0.0
                     for j in T.unroll(16):
-                        if j < i:
-                            acc[j % 2] = acc[j % 2] - L_sh[blk * 16 + i, blk * 16 + j] * col[j]
-                    col[i] = acc[0] + acc[1]
-                for i in T.unroll(16):
-                    X_sh[blk * 16 + i, blk * 16 + c] = col[i]
-            T.sync_threads()
+                        acc[r] = acc[r] + L_sh[p * 32 + 16 + r0 + r, p * 32 + j] * X_sh[p * 32 + j, p * 32 + c2]
+                # L21 X11 staged in the upper-right 16x16 block of the 32-block (zero in X, restored below)
+                for r in T.unroll(4):
+                    X_sh[p * 32 + r0 + r, p * 32 + 16 + c2] = acc[r]
+                T.sync_threads()
+                for r in T.unroll(4):
+                    acc[r] = 0.0
+                    for j in T.unroll(16):
+                        acc[r] = (acc[r] + X_sh[p * 32 + 16 + r0 + r, p * 32 + 16 + j]
+                                  * X_sh[p * 32 + j, p * 32 + 16 + c2])
+                for r in T.unroll(4):
+                    X_sh[p * 32 + 16 + r0 + r, p * 32 + c2] = -acc[r]
+                T.sync_threads()
+                for r in T.unroll(4):
+                    X_sh[p * 32 + r0 + r, p * 32 + 16 + c2] = 0.0
+                T.sync_threads()
 
-            # --- merge 16 -> 32 in both halves p: X21 = -X22 (L21 X11); thread = (p, 4 rows, column)
-            p = tx // 64
-            r0 = (tx // 16) % 4 * 4
-            c2 = tx % 16
-            for r in T.unroll(4):
-                acc[r] = 0.0
-                for j in T.unroll(16):
-                    acc[r] = acc[r] + L_sh[p * 32 + 16 + r0 + r, p * 32 + j] * X_sh[p * 32 + j, p * 32 + c2]
-            # L21 X11 staged in the upper-right 16x16 block of the 32-block (zero in X, restored below)
-            for r in T.unroll(4):
-                X_sh[p * 32 + r0 + r, p * 32 + 16 + c2] = acc[r]
-            T.sync_threads()
-            for r in T.unroll(4):
-                acc[r] = 0.0
-                for j in T.unroll(16):
-                    acc[r] = acc[r] + X_sh[p * 32 + 16 + r0 + r, p * 32 + 16 + j] * X_sh[p * 32 + j, p * 32 + 16 + c2]
-            for r in T.unroll(4):
-                X_sh[p * 32 + 16 + r0 + r, p * 32 + c2] = -acc[r]
-            T.sync_threads()
-            for r in T.unroll(4):
-                X_sh[p * 32 + r0 + r, p * 32 + 16 + c2] = 0.0
-            T.sync_threads()
+                # --- merge 32 -> 64: X21 = -X22 (L21 X11), two 32 x 32 x 32 products on tensor cores (TF32) --
+                T.gemm(L_sh[32:64, 0:32], X_sh[0:32, 0:32], Y, clear_accum=True)
+                T.copy(Y, X_sh[0:32, 32:64])  # L21 X11 staged in the upper-right quadrant (zero in X, restored below)
+                T.gemm(X_sh[32:64, 32:64], X_sh[0:32, 32:64], Y, clear_accum=True)
+                for r, s in T.Parallel(32, 32):
+                    X_sh[32 + r, s] = -Y[r, s]
+                for r, s in T.Parallel(32, 32):
+                    X_sh[r, 32 + s] = 0.0
+                T.sync_threads()
 
-            # --- merge 32 -> 64: X21 = -X22 (L21 X11), two 32 x 32 x 32 products on tensor cores (TF32) --
-            T.gemm(L_sh[32:64, 0:32], X_sh[0:32, 0:32], Y, clear_accum=True)
-            T.copy(Y, X_sh[0:32, 32:64])  # L21 X11 staged in the upper-right quadrant (zero in X, restored below)
-            T.gemm(X_sh[32:64, 32:64], X_sh[0:32, 32:64], Y, clear_accum=True)
-            for r, s in T.Parallel(32, 32):
-                X_sh[32 + r, s] = -Y[r, s]
-            for r, s in T.Parallel(32, 32):
-                X_sh[r, 32 + s] = 0.0
-            T.sync_threads()
-
-            # --- GA = Gamma o X (its gate mask applied once here, so the fused walk takes it as a product
-            # operand), straight from X's tile to global memory: 8 consecutive columns of one row per thread,
-            # one 16-byte store, no branch (T.Select evaluates both sides: above the diagonal the discarded
-            # one may be 0 x inf) ---------------------------------------------------------------------------
-            c0 = (tx % 8) * 8
-            for j in T.vectorized(8):  # the thread's 8 column gates, the same in each of its 4 rows
-                g_cols[j] = g_sh[c0 + j]
-            for i in T.unroll(4):
-                r = i * 16 + tx // 8
-                for j in T.vectorized(8):
-                    X_row[j] = X_sh[r, c0 + j]
-                for j in T.unroll(8):
-                    GA_row[j] = T.cast(T.Select(r >= c0 + j, X_row[j] * T.exp2((g_sh[r] - g_cols[j]) * LOG2E), 0.0),
-                                       dtype)
-                if r < n_rows:
+                # --- GA = Gamma o X (its gate mask applied once here, so the fused walk takes it as a product
+                # operand), straight from X's tile to global memory: 8 consecutive columns of one row per thread,
+                # one 16-byte store, no branch (T.Select evaluates both sides: above the diagonal the discarded
+                # one may be 0 x inf) ---------------------------------------------------------------------------
+                c0 = (tx % 8) * 8
+                for j in T.vectorized(8):  # the thread's 8 column gates, the same in each of its 4 rows
+                    g_cols[j] = g_sh[c0 + j]
+                for i in T.unroll(4):
+                    r = i * 16 + tx // 8
                     for j in T.vectorized(8):
-                        GA[start + r, h, c0 + j] = GA_row[j]
+                        X_row[j] = X_sh[r, c0 + j]
+                    for j in T.unroll(8):
+                        GA_row[j] = T.cast(T.Select(r >= c0 + j, X_row[j] * T.exp2((g_sh[r] - g_cols[j]) * LOG2E), 0.0),
+                                           dtype)
+                    if r < n_rows:
+                        for j in T.vectorized(8):
+                            GA[start + r, h, c0 + j] = GA_row[j]
 
     return wy_inverse

@@ -161,6 +161,25 @@ def test_new_lengths_and_packs_do_not_recompile(poisoned_outputs):
     assert time.perf_counter() - start < 30  # two recurrences in float64; a TileLang recompile adds ~10 s each
 
 
+@pytest.mark.parametrize("Hqk,Hv,heads", [(2, 8, 4), (2, 8, 2), (1, 3, 3), (4, 8, 2)])
+def test_wy_inverse_with_gqa_heads_sharing_a_cta(Hqk, Hv, heads, poisoned_outputs, monkeypatch):
+    """wy_inverse's shared-K build with `heads` v-heads of a GQA group per CTA (K and K K^T shared; what dispatch
+    picks on long inputs) writes GA and gcum bitwise equal to the one-v-head build, and the forward on them
+    matches the float64 recurrence. A pack with 1-, 65- and 129-token sequences, g = 0 and strong-decay heads,
+    outputs NaN-poisoned."""
+    from flashqla.kernels.hopper import launch
+
+    call = make_call([1, 65, 700, 64, 129], Hqk, Hv, seed=21)
+    args = [call[n] for n in ("q", "k", "v", "g", "beta", "cu_seqlens")]
+    monkeypatch.setattr(launch, "wy_heads_per_cta", lambda chunk_slots, qk_heads, v_heads, sms: 1)
+    one = launch.prepare(*args)
+    monkeypatch.setattr(launch, "wy_heads_per_cta", lambda chunk_slots, qk_heads, v_heads, sms: heads)
+    group = launch.prepare(*args)
+    assert not one.GA.isnan().any() and not one.gcum.isnan().any()
+    assert torch.equal(one.GA, group.GA) and torch.equal(one.gcum, group.gcum)
+    assert_matches(call)
+
+
 def test_32k_sequence_matches_recurrence(poisoned_outputs):
     """Precision on a long sequence: 512 chunks of bf16 states, strong-decay and g = 0 heads."""
     assert_matches(make_call([32768], 2, 8, seed=12))
