@@ -14,25 +14,26 @@ keeps beta out so that the backward can read it as well (chunk_bwd_local.py: eve
 exact GA form, and a column scaled by beta = 0 could not be undone): a forward whose backward will run
 keeps GA and gcum, and the backward computes no second inverse. W = diag(gamma) A diag(beta) K and U =
 GA diag(beta) V (docs/algorithm.md W1-W2) are not formed here or anywhere: the walks form what they need of
-them from GA. K, L and GA share one buffer: 32.5 KiB
-of shared memory and 96 registers, 5 CTAs per SM (a build that also stored W and U, dropped on 2026-12-04,
-needed 48.5 KiB and 123: 4). The inverse needs no exp; the gates enter only GA.
+them from GA. K, L and GA share one buffer: 32.5 KiB of shared memory and 96 registers, 5 CTAs per SM (a
+build that also stored W and U, dropped on 2026-12-04, needed 48.5 KiB and 123: 4). The inverse needs no exp;
+the gates enter only GA.
 
-A CTA takes one chunk and, in the `shared_k` build, `heads_per_cta` v-heads of one GQA group
-(launch.wy_heads_per_cta: the most of the group that still leaves 1.5 waves of CTAs), which share K: K is loaded
-and K K^T formed once, then steps 1-5 below run for each of its v-heads (their beta, gates and GA). The other
-build takes one v-head and reads its gates while K is in flight (the shared build at one v-head per CTA was
-0.95-0.97x it, (16, 16) and (32, 32) x 32K). H200, 2026-12-04, a whole group per CTA against
-one v-head: (16, 64) x 8K x 4 445 -> 382 us, (2, 8) x 4K x 8 60 -> 54, (8, 24) x 32K 163 -> 148; GA and gcum
-bitwise equal (docs/kernels.md, "Thirty-third session").
+A CTA takes one chunk and one v-head, or, in the `shared_k` build, `heads_per_cta` v-heads of one GQA group
+(launch.wy_heads_per_cta: the most of the group that still leaves 1.5 waves of CTAs), which share K: K is
+loaded and K K^T formed once, then the inverse runs for each of its v-heads (their beta, gates and GA). The
+one-v-head build reads its gates while K is in flight (the shared build at one v-head per CTA, which reads
+them after, was 0.95-0.97x it at (16, 16) and (32, 32) x 32K). H200, 2026-12-04, against the one-v-head kernel
+alone: (16, 64) x 8K x 4 442 -> 389 us (4 v-heads per CTA), (2, 8) x 4K x 8 59.7 -> 54.8 (4), (8, 24) x 32K
+163 -> 150 (3), (16, 32) x 4K x 8 227 -> 211 (2); GA and gcum bitwise equal (docs/kernels.md, "Thirty-third
+session").
 
 Chunks never straddle sequences. The CTA of chunk slot c finds its sequence by binary search in
 `chunk_offsets` (exclusive prefix sum of chunks per sequence; `search_steps` = bit length of N); CTAs past
 the last chunk and rows past the end of a sequence write nothing. Rows past the end are loaded as zero
 keys, so they cannot reach the rows that exist (A is lower triangular).
 
-Schedule (one warpgroup, 128 threads, per (chunk, v-head)):
-  1. (once per CTA) load the K tile (rows beyond the sequence end zeroed) and form K K^T on tensor cores (fp32
+Schedule (one warpgroup, 128 threads; the K tile and K K^T once per CTA, the rest once per v-head):
+  1. load the K tile (rows beyond the sequence end zeroed) and form K K^T on tensor cores (fp32
      accumulate); read beta and g, cumsum g and store gcum; K K^T's strict lower part scaled by beta as it leaves
      the accumulator, L = StrictLower(diag(beta) K K^T), to fp32 shared memory (X, the inverse, is written in
      full by steps 2-4 before it is read: no identity fill);
