@@ -65,7 +65,6 @@ def compiled_wy_inverse(dtype: str, shared_k: bool):
 
 
 @functools.lru_cache(maxsize=None)
-@functools.lru_cache(maxsize=None)
 def compiled_fused_fwd(dtype: str, block_v: int):
     """The compiled fused forward kernel for `dtype` and V tile width `block_v`."""
     return compile_from("fused_fwd", "build_fused_fwd", f"fused_fwd({dtype}, block_v={block_v})", dtype, block_v)
@@ -170,9 +169,10 @@ WY_INVERSE_MIN_WAVES = 1.5
 
 def wy_heads_per_cta(chunk_slots: int, num_qk_heads: int, num_v_heads: int, sm_count: int) -> int:
     """v-heads per wy_inverse CTA: the most of one GQA group (a divisor of Hv / Hqk) that still leaves
-    WY_INVERSE_MIN_WAVES waves of CTAs. The CTA loads K and forms K K^T once for them. H200, 2026-12-04 (docs/kernels.md,
-    "Thirty-third session"): a whole group per CTA was 1.08-1.16x at 1.5 to 12 waves ((2, 8) x 4K x 8 60 -> 54 us,
-    (16, 64) x 8K x 4 445 -> 382) and 0.68x at a sixth of a wave ((2, 8) x 1000 x 3)."""
+    WY_INVERSE_MIN_WAVES waves of CTAs; the CTA loads K and forms K K^T once for them (1 = the one-v-head build).
+    H200, 2026-12-04 (docs/kernels.md, "Thirty-third session"): a whole group per CTA against one v-head was
+    1.06-1.16x at 1.5 to 12 waves ((2, 8) x 4K x 8 59.7 -> 54.8 us, (16, 64) x 8K x 4 442 -> 389) and 0.68x at a
+    sixth of a wave ((2, 8) x 1000 x 3); half a group where the whole one keeps 1.5 waves, 0.97-0.99x."""
     group = num_v_heads // num_qk_heads
     for heads in range(group, 1, -1):
         if group % heads == 0 and chunk_slots * num_v_heads // heads >= (
