@@ -196,6 +196,22 @@ def impl_flash_qla_cp():
     return impl_flash_qla(auto_cp=True)
 
 
+def load_impls(impls, skip=""):
+    """({key: run function} of the implementations that load, report notes): those named in `skip`
+    (comma-separated) are left out, one missing from this machine is noted, not fatal."""
+    loaded, notes = {}, []
+    skipped = {x for x in skip.split(",") if x}
+    for key, make in impls.items():
+        if key in skipped:
+            notes.append(f"- {key} left out (--skip)")
+            continue
+        try:
+            loaded[key] = make()
+        except Exception as exc:  # a peer missing from this machine is reported, not fatal
+            notes.append(f"- {key} unavailable: {exc.__class__.__name__}: {exc}")
+    return loaded, notes
+
+
 def versions():
     import importlib.metadata as md
 
@@ -317,16 +333,7 @@ def main():
     impls = {"flashqla": impl_flashqla, "flashqla_fused": impl_flashqla_fused, "flashqla_cp": impl_flashqla_autocp,
              "fla": impl_fla, "flash_qla": impl_flash_qla, "flash_qla_cp": impl_flash_qla_cp}
     sweep = [int(x) for x in args.cp_sweep.split(",") if x]
-    loaded, notes = {}, []
-    skipped = {x for x in args.skip.split(",") if x}
-    for key, make in impls.items():
-        if key in skipped:
-            notes.append(f"- {key} left out (--skip)")
-            continue
-        try:
-            loaded[key] = make()
-        except Exception as exc:  # a peer missing from this machine is reported, not fatal
-            notes.append(f"- {key} unavailable: {exc.__class__.__name__}: {exc}")
+    loaded, notes = load_impls(impls, args.skip)
 
     rows = merged_rows(args.merge)
     for i, (name, Hqk, Hv, seqs) in enumerate(CONFIGS):

@@ -27,3 +27,15 @@ def test_rows_of_two_runs_come_back_in_config_order_and_the_later_run_wins(tmp_p
     assert f"over FlashQLA: {(1.0 * 2.0 * 2.0) ** (1 / 3):.2f}x over 3 configs" in report
     names = [line.split(" | ")[0] for line in report.splitlines() if line.startswith(("| 397B", "| Sym"))]
     assert names == ["| " + bench_gdn.CONFIGS[i][0] for i in (0, 7, 9)]
+
+
+def test_skipped_and_missing_implementations_are_noted_and_not_loaded():
+    def missing():
+        raise ImportError("no module named peer")
+
+    made = []
+    impls = {"ours": lambda: made.append("ours") or "run", "fla": lambda: made.append("fla") or "run",
+             "peer": missing}
+    loaded, notes = bench_gdn.load_impls(impls, "fla")
+    assert loaded == {"ours": "run"} and made == ["ours"]
+    assert notes == ["- fla left out (--skip)", "- peer unavailable: ImportError: no module named peer"]
