@@ -1,0 +1,364 @@
+"""Precompile FLA 0.6.0's Triton kernels (every autotune config) for the H200 into a Triton disk cache, on a CPU.
+
+    PYTHONPATH=/tmp/tri36:<extracted site>:/tmp/fdeps TRITON_CACHE_DIR=/tmp/fla_triton_cache \
+        python fla_triton_precompile.py [--jobs 2] [--only REGEX] [--no-verify] [--verify-only] [--list]
+
+Needs triton == 3.6.0 exactly (the device image's): Triton's disk-cache key hashes its own sources, libtriton,
+the bundled ptxas' --version, the target and the compile options (triton/runtime/cache.py triton_key,
+get_cache_key; backends/nvidia/compiler.py CUDABackend.hash, CUDAOptions.hash).
+1. compile: workers (at most --jobs at a time, one per head shape and benchmark) run FLA's real host code on CPU
+   tensors as on one H200 (fla_cpu.py: torch.cuda and Triton's driver answer as cc 9.0 / GPUTarget("cuda", 90, 32)),
+   for the calls bench_gdn.py (impl_fla, its 10 CONFIGS, FLA_DISABLE_BACKEND_DISPATCH=1) and bench_bwd.py
+   (forward_fn("fla"), its 4 x 2 x 4 matrix, fwd+bwd then fwd under no_grad, dispatch on) make. Every Triton
+   launch compiles its kernel (warmup=True) and returns without launching; the autotuner's benchmark compiles
+   each config and reports a dummy time. FLA_CACHE_RESULTS=0, so no autotune result (with the dummy times) is
+   written: on the GPU the autotuner still benchmarks every config, from the cache.
+2. verify: fresh processes repeat the calls; every compile must be a cache hit. Writes <cache>/fla_triton_manifest.json.
+FLA's one TileLang kernel (bench_bwd, dispatch on) is only recorded here: fla_precompile.py builds it.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import hashlib
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+BENCH = os.path.dirname(HERE)
+MANIFEST = "fla_triton_manifest.json"
+TRITON_VERSION = "3.6.0"
+
+
+# --------------------------------------------------------------------------------------------------
+# scenarios (shared with fla_triton_check_gpu.py): the FLA calls of bench_gdn.py and bench_bwd.py
+# --------------------------------------------------------------------------------------------------
+def scenarios():
+    """[(label, group, params)]; group "gdn" runs with FLA_DISABLE_BACKEND_DISPATCH=1, "bwd" with 0 (as the scripts)."""
+    sys.path.insert(0, BENCH)
+    out = []
+    from bench_gdn import CONFIGS
+    for i, (name, Hqk, Hv, seqs) in enumerate(CONFIGS):
+        out.append((f"gdn[{i}] {name} Hqk={Hqk} Hv={Hv} seqs={'+'.join(map(str, seqs))}", "gdn",
+                    dict(Hqk=Hqk, Hv=Hv, seqs=list(seqs))))
+    from bench_bwd import HEADS, SEQS, TOKENS
+    for Hqk, Hv in HEADS:
+        for T in TOKENS:
+            for n in SEQS:
+                out.append((f"bwd Hqk={Hqk} Hv={Hv} T={T} seqs={T // n}x{n}", "bwd",
+                            dict(Hqk=Hqk, Hv=Hv, seqs=[T // n] * n)))
+    return out
+
+
+def cpu_inputs(Hqk, Hv, lengths):
+    """bench_gdn.make_inputs' shapes, dtypes and layout (contiguous), without values (torch.empty on the CPU)."""
+    import torch
+    D, T = 128, sum(lengths)
+    q = torch.empty(1, T, Hqk, D, dtype=torch.bfloat16)
+    k = torch.empty(1, T, Hqk, D, dtype=torch.bfloat16)
+    v = torch.empty(1, T, Hv, D, dtype=torch.bfloat16)
+    beta = torch.empty(1, T, Hv, dtype=torch.bfloat16)
+    g = torch.empty(1, T, Hv, dtype=torch.float32)
+    cu = torch.tensor([0] + list(lengths)).cumsum(0).to(torch.int32)
+    return q, k, v, g, beta, cu
+
+
+def run_scenario(group, p, inputs):
+    """One scenario exactly as the benchmark calls FLA (its first calls, before any timing)."""
+    import torch
+    if group == "gdn":
+        from bench_gdn import impl_fla
+        impl_fla()(*inputs)              # bench_gdn main: loaded["fla"](*inputs)
+        return
+    from bench_bwd import forward_fn
+    fwd = forward_fn("fla")
+    q, k, v, g, beta, cu = inputs
+    leaves = [t.detach().requires_grad_(True) for t in (q, k, v, g, beta)]
+    do = torch.empty_like(v) if v.device.type == "cpu" else torch.randn_like(v)
+    torch.autograd.grad(fwd(*leaves, cu), leaves, do)   # bench_bwd time_impl: fwd_bwd() first, then fwd_only
+    with torch.no_grad():
+        fwd(*leaves, cu)
+
+
+# --------------------------------------------------------------------------------------------------
+# Triton hooks: what Triton compiles, what it finds in the cache
+# --------------------------------------------------------------------------------------------------
+def key_components():
+    """The target-independent parts of Triton's disk-cache key, hashed (compare CPU vs device)."""
+    import triton
+    from triton._C.libtriton import get_cache_invalidating_env_vars
+    from triton.compiler.compiler import make_backend
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime.cache import triton_key
+    backend = make_backend(GPUTarget("cuda", 90, 32))
+    return dict(triton=triton.__version__, triton_key_sha256=hashlib.sha256(triton_key().encode()).hexdigest(),
+                backend_hash=backend.hash(), default_options_sha256=backend.parse_options({}).hash(),
+                cache_invalidating_env=dict(sorted(get_cache_invalidating_env_vars().items())))
+
+
+def describe(src, options):
+    """(kernel, config) of one compile: num_warps/num_stages and the constexprs."""
+    fn = getattr(src, "fn", None)
+    name = f"{getattr(fn, '__module__', '?')}:{getattr(src, 'name', '?')}"
+    consts = []
+    arg_names = getattr(fn, "arg_names", [])
+    for path, val in sorted(getattr(src, "constants", {}).items(), key=lambda kv: str(kv[0])):
+        if isinstance(path, tuple) and len(path) == 1 and path[0] < len(arg_names):
+            consts.append(f"{arg_names[path[0]]}={getattr(val, 'value', val)}")
+    opts = options or {}
+    cfg = f"w{opts.get('num_warps', 4)} s{opts.get('num_stages', 3)}" + (" " + ",".join(consts) if consts else "")
+    return name, cfg
+
+
+class CompileTracker:
+    """Wraps triton.compiler.compile (what JITFunction binds on its first run) and Triton's compilation listener:
+    every call is a disk-cache hit or a compile (a miss), with its wall time."""
+
+    def __init__(self, log=None):
+        self.events = []
+        self.scenario = None
+        self.log = log
+
+    def install(self):
+        import triton.compiler as tc
+        from triton import knobs
+        orig = tc.compile
+        state = {}
+
+        def listener(src, metadata, metadata_group, times, cache_hit):
+            state["hit"] = cache_hit
+
+        def compile(src, target=None, options=None, _env_vars=None):
+            state.clear()
+            name, cfg = describe(src, options)
+            t0 = time.perf_counter()
+            try:
+                res = orig(src, target=target, options=options, _env_vars=_env_vars)
+            except Exception as exc:
+                self.events.append(dict(kernel=name, config=cfg, hit=False, failed=f"{type(exc).__name__}: {exc}"[:300],
+                                        seconds=round(time.perf_counter() - t0, 3), scenario=self.scenario))
+                raise
+            ev = dict(kernel=name, config=cfg, hit=bool(state.get("hit")), seconds=round(time.perf_counter() - t0, 3),
+                      scenario=self.scenario, hash=getattr(res, "hash", None))
+            self.events.append(ev)
+            if self.log and not ev["hit"]:
+                self.log(f"  compiled {name} [{cfg}] {ev['seconds']:.1f}s")
+            return res
+
+        knobs.compilation.listener = listener
+        tc.compile = compile
+        return self
+
+
+def install_compile_only():
+    """Every Triton launch compiles (or loads) its kernel and returns before launching; the autotuner's benchmark
+    runs each config once that way and reports the same dummy time for all."""
+    from triton.runtime import autotuner, jit
+    orig_run = jit.JITFunction.run
+
+    def run(self, *args, grid=None, warmup=False, **kwargs):
+        return orig_run(self, *args, grid=grid, warmup=True, **kwargs)
+
+    def fake_bench(kernel_call, quantiles=None, **kwargs):
+        kernel_call()
+        return [1.0, 1.0, 1.0] if quantiles else 1.0
+
+    jit.JITFunction.run = run
+    autotuner.Autotuner.do_bench = property(lambda self: fake_bench)
+
+
+# --------------------------------------------------------------------------------------------------
+# worker: one process, one group (its dispatch env), some head shapes
+# --------------------------------------------------------------------------------------------------
+def worker(args):
+    group = args.group
+    os.environ["FLA_FLASH_QLA"] = "0"
+    os.environ["FLA_DISABLE_BACKEND_DISPATCH"] = "1" if group == "gdn" else "0"
+    os.environ["FLA_CACHE_RESULTS"] = "0"      # no autotune results (dummy timings) in the cache
+    sys.path.insert(0, HERE)
+    sys.path.insert(0, BENCH)
+    import triton
+    assert triton.__version__ == TRITON_VERSION, f"triton {triton.__version__} (need {TRITON_VERSION}: PYTHONPATH)"
+    from triton.runtime import autotuner, jit
+    saved = (jit.JITFunction.run, autotuner.Autotuner.run, autotuner.Heuristics.run)
+    import fla_cpu
+    fla_cpu.import_fla()                        # fake H200 + Triton driver; it stubs launches: undo that
+    jit.JITFunction.run, autotuner.Autotuner.run, autotuner.Heuristics.run = saved
+    install_compile_only()
+    out = open(args.out, "a")
+    tracker = CompileTracker(log=lambda s: print(s, flush=True)).install()
+    rec = fla_cpu.make_recorder("record")       # FLA's TileLang kernel (dispatch on): record only
+    heads = {tuple(map(int, h.split(":"))) for h in args.heads.split(",")}
+    for label, grp, p in scenarios():
+        if grp != group or (p["Hqk"], p["Hv"]) not in heads or (args.only and not re.search(args.only, label)):
+            continue
+        tracker.scenario = label
+        n0 = len(tracker.events)
+        t0 = time.time()
+        err = None
+        try:
+            with fla_cpu.fake_h200():
+                run_scenario(group, p, cpu_inputs(p["Hqk"], p["Hv"], p["seqs"]))
+        except Exception as exc:  # noqa: BLE001
+            err = f"{type(exc).__name__}: {exc}"[:500]
+        evs = tracker.events[n0:]
+        miss = [e for e in evs if not e["hit"]]
+        print(f"{args.phase} {label}: {time.time() - t0:.1f}s, {len(evs)} kernel lookups, {len(miss)} compiled "
+              f"({sum(e['seconds'] for e in miss):.1f}s){' FAILED ' + err if err else ''}", flush=True)
+        out.write(json.dumps(dict(scenario=label, group=group, seconds=round(time.time() - t0, 2), error=err,
+                                  events=evs)) + "\n")
+        out.flush()
+    rec.restore()
+    out.write(json.dumps(dict(key_components=key_components(), pid=os.getpid())) + "\n")
+    return 0
+
+
+# --------------------------------------------------------------------------------------------------
+# driver
+# --------------------------------------------------------------------------------------------------
+def tasks(only=None):
+    """(group, heads): one per head shape and benchmark; bench_bwd's (fwd+bwd, 8 calls each) first."""
+    seen = collections.OrderedDict()
+    for label, group, p in scenarios():
+        if only and not re.search(only, label):
+            continue
+        seen.setdefault((group, p["Hqk"], p["Hv"]), 0)
+        seen[(group, p["Hqk"], p["Hv"])] += 1
+    return sorted(seen, key=lambda t: (t[0] != "bwd", -t[1] * t[2]))
+
+
+def run_workers(phase, jobs, work, only):
+    """Run the tasks in subprocesses, at most `jobs` at a time; returns the records they wrote."""
+    todo = [(g, f"{a}:{b}") for g, a, b in tasks(only)]
+    if phase == "verify":   # one fresh process per group is enough (nothing compiles)
+        by = collections.OrderedDict()
+        for g, h in todo:
+            by.setdefault(g, []).append(h)
+        todo = [(g, ",".join(hs)) for g, hs in by.items()]
+    running, files = [], []
+    while todo or running:
+        while todo and len(running) < jobs:
+            g, h = todo.pop(0)
+            path = os.path.join(work, f"{phase}-{g}-{h.replace(':', '_').replace(',', '-')}.jsonl")
+            if os.path.exists(path):
+                os.remove(path)
+            cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--phase", phase, "--group", g,
+                   "--heads", h, "--out", path] + (["--only", only] if only else [])
+            print(f"[{phase}] start {g} {h}", flush=True)
+            running.append((subprocess.Popen(cmd), g, h, time.time()))
+            files.append(path)
+        time.sleep(1)
+        for item in list(running):
+            proc, g, h, t0 = item
+            if proc.poll() is not None:
+                running.remove(item)
+                print(f"[{phase}] done {g} {h}: rc {proc.returncode}, {time.time() - t0:.0f}s", flush=True)
+    recs = []
+    for path in files:
+        if os.path.exists(path):
+            recs += [json.loads(line) for line in open(path)]
+    return recs
+
+
+def summarize(recs):
+    events = [e for r in recs for e in r.get("events", [])]
+    miss = [e for e in events if not e["hit"]]
+    kernels = collections.OrderedDict()
+    for e in events:
+        k = kernels.setdefault(e["kernel"], dict(configs=set(), compiled=0, compile_s=0.0, failed=0, scenarios=set()))
+        k["configs"].add(e.get("hash") or e["config"])
+        k["scenarios"].add(e["scenario"])
+        if not e["hit"]:
+            k["compiled"] += 1
+            k["compile_s"] += e["seconds"]
+        if e.get("failed"):
+            k["failed"] += 1
+    return events, miss, kernels
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--jobs", type=int, default=2)
+    ap.add_argument("--only", default=None, help="regex on the scenario labels")
+    ap.add_argument("--no-verify", action="store_true")
+    ap.add_argument("--verify-only", action="store_true")
+    ap.add_argument("--list", action="store_true")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--phase", default="compile", help=argparse.SUPPRESS)
+    ap.add_argument("--group", help=argparse.SUPPRESS)
+    ap.add_argument("--heads", help=argparse.SUPPRESS)
+    ap.add_argument("--out", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        return worker(args)
+    if args.list:
+        for label, group, _ in scenarios():
+            print(group, label)
+        print(tasks(args.only))
+        return 0
+    cache = os.environ.get("TRITON_CACHE_DIR")
+    if not cache:
+        print("set TRITON_CACHE_DIR", file=sys.stderr)
+        return 2
+    os.makedirs(cache, exist_ok=True)
+    work = os.path.join(os.path.dirname(os.path.abspath(cache)), os.path.basename(cache) + ".work")
+    os.makedirs(work, exist_ok=True)
+    result = dict(cache=cache)
+    if not args.verify_only:
+        t0 = time.time()
+        recs = run_workers("compile", args.jobs, work, args.only)
+        events, miss, kernels = summarize(recs)
+        failed = [e for e in events if e.get("failed")]
+        errors = [(r["scenario"], r["error"]) for r in recs if r.get("error")]
+        print(f"\ncompile: {len(kernels)} kernels, {len({e.get('hash') for e in events if e.get('hash')})} compiled "
+              f"variants (kernel x specialization x config), {len(miss)} compiles, "
+              f"{sum(e['seconds'] for e in miss):.0f} s compiling, {time.time() - t0:.0f} s wall; "
+              f"{len(failed)} configs failed to compile, {len(errors)} scenarios failed")
+        for name, k in kernels.items():
+            print(f"  {name}: {len(k['configs'])} variants, {k['compiled']} compiled ({k['compile_s']:.0f}s)"
+                  + (f", {k['failed']} failed" if k["failed"] else ""))
+        for s, e in errors:
+            print(f"  FAILED {s}: {e}")
+        result["compile"] = dict(wall_s=round(time.time() - t0), compiles=len(miss),
+                                 compile_s=round(sum(e["seconds"] for e in miss), 1), failed_configs=failed,
+                                 failed_scenarios=errors)
+    if not args.no_verify:
+        t0 = time.time()
+        recs = run_workers("verify", args.jobs, work, args.only)
+        events, miss, kernels = summarize(recs)
+        comps = [r["key_components"] for r in recs if "key_components" in r]
+        errors = [(r["scenario"], r["error"]) for r in recs if r.get("error")]
+        print(f"\nverify (fresh processes): {len([r for r in recs if 'scenario' in r])} scenarios, "
+              f"{len(events)} kernel lookups, {len(events) - len(miss)} cache hits, {len(miss)} compiles, "
+              f"{len(errors)} failed, {time.time() - t0:.0f} s")
+        for e in miss:
+            print(f"  MISS {e['kernel']} [{e['config']}] in {e['scenario']}")
+        result["verify"] = dict(lookups=len(events), hits=len(events) - len(miss), compiles=len(miss),
+                                failed_scenarios=errors, wall_s=round(time.time() - t0))
+        result["key_components"] = comps[0] if comps else None
+        result["kernels"] = {n: dict(variants=sorted(k["configs"]), scenarios=sorted(k["scenarios"]))
+                             for n, k in kernels.items()}
+        result["scenarios"] = [dict(scenario=r["scenario"], group=r["group"], lookups=len(r["events"]),
+                                    compiles=sum(not e["hit"] for e in r["events"])) for r in recs if "scenario" in r]
+        import importlib.metadata as md
+        result["fla"] = md.version("fla-core")
+        result["env"] = dict(FLA_FLASH_QLA="0", FLA_DISABLE_BACKEND_DISPATCH="gdn: 1, bwd: 0")
+        old = {}
+        mpath = os.path.join(cache, MANIFEST)
+        if args.verify_only and os.path.exists(mpath):
+            old = json.load(open(mpath))
+        json.dump({**old, **result}, open(mpath, "w"), indent=1, sort_keys=True)
+        print(f"wrote {mpath}")
+        autotune = [f for _, _, fs in os.walk(cache) for f in fs if f.endswith(".autotune.json")]
+        if autotune:
+            print(f"WARNING: {len(autotune)} autotune results in the cache (dummy timings): delete them")
+        return 1 if miss or errors else 0
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
