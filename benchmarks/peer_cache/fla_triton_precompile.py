@@ -118,10 +118,11 @@ class CompileTracker:
     """Wraps triton.compiler.compile (what JITFunction binds on its first run) and Triton's compilation listener:
     every call is a disk-cache hit or a compile (a miss), with its wall time."""
 
-    def __init__(self, log=None):
+    def __init__(self, log=None, launchers=None):
         self.events = []
         self.scenario = None
         self.log = log
+        self.launchers = launchers     # a LauncherBuilder: also build each kernel's C launcher (CPU side)
 
     def install(self):
         import triton.compiler as tc
@@ -144,6 +145,10 @@ class CompileTracker:
                 raise
             ev = dict(kernel=name, config=cfg, hit=bool(state.get("hit")), seconds=round(time.perf_counter() - t0, 3),
                       scenario=self.scenario, hash=getattr(res, "hash", None))
+            if self.launchers is not None:
+                b0 = self.launchers.builds
+                self.launchers.launcher(src, res.metadata)
+                ev["launcher_built"] = self.launchers.builds > b0
             self.events.append(ev)
             if self.log and not ev["hit"]:
                 self.log(f"  compiled {name} [{cfg}] {ev['seconds']:.1f}s")
@@ -152,6 +157,61 @@ class CompileTracker:
         knobs.compilation.listener = listener
         tc.compile = compile
         return self
+
+
+def make_libcuda_stub(stubdir):
+    """A libcuda.so.1 that only defines the driver entry points Triton's C launchers call (no libcuda here): the
+    launchers built against it record DT_NEEDED libcuda.so.1 and bind to the real driver on the GPU machine."""
+    import glob as _glob
+    import triton.backends.nvidia as nv
+    names = set()
+    for path in _glob.glob(os.path.join(os.path.dirname(nv.__file__), "driver.*")):
+        if path.endswith((".py", ".c")):
+            names |= set(re.findall(r"\b(cu[A-Z][A-Za-z0-9]*)\s*\(", open(path).read()))
+    names |= {n + "_v2" for n in names}
+    os.makedirs(stubdir, exist_ok=True)
+    src = os.path.join(stubdir, "libcuda_stub.c")
+    open(src, "w").write("".join(f"int {n}(void) {{ return 999; }}\n" for n in sorted(names)))
+    so = os.path.join(stubdir, "libcuda.so.1")
+    subprocess.check_call(["gcc", "-shared", "-fPIC", "-Wl,-soname,libcuda.so.1", "-o", so, src])
+    if not os.path.exists(os.path.join(stubdir, "libcuda.so")):
+        os.symlink("libcuda.so.1", os.path.join(stubdir, "libcuda.so"))
+    return stubdir
+
+
+class LauncherBuilder:
+    """Triton 3.6 builds a C launcher per kernel signature (backends/nvidia/driver.py CudaLauncher ->
+    runtime/build.py compile_module_from_src, gcc) and one cuda_utils module, cached in TRITON_CACHE_DIR under
+    sha256(C source + platform_key()). Build them here (linked against the stub libcuda) and do not load them."""
+
+    def __init__(self, stubdir):
+        from triton import knobs
+        from triton.runtime import build
+        knobs.nvidia.libcuda_path = make_libcuda_stub(stubdir)
+        self.builds, self.seconds, self.seen = 0, 0.0, set()
+        orig_build = build._build
+
+        def _build(*args, **kwargs):
+            t0 = time.perf_counter()
+            out = orig_build(*args, **kwargs)
+            self.builds += 1
+            self.seconds += time.perf_counter() - t0
+            return out
+
+        class _Stub:
+            def __getattr__(self, name):
+                return None
+
+        build._build = _build
+        build._load_module_from_path = lambda name, path: _Stub()
+
+    def utils(self):
+        from triton.backends.nvidia import driver as nd
+        nd.CudaUtils.__new__(nd.CudaUtils).__init__()
+
+    def launcher(self, src, metadata):
+        from triton.backends.nvidia import driver as nd
+        nd.CudaLauncher(src, metadata)
 
 
 def install_compile_only():
@@ -190,7 +250,9 @@ def worker(args):
     jit.JITFunction.run, autotuner.Autotuner.run, autotuner.Heuristics.run = saved
     install_compile_only()
     out = open(args.out, "a")
-    tracker = CompileTracker(log=lambda s: print(s, flush=True)).install()
+    launchers = LauncherBuilder(os.path.join(os.path.dirname(os.path.abspath(args.out)), "libcuda_stub"))
+    launchers.utils()
+    tracker = CompileTracker(log=lambda s: print(s, flush=True), launchers=launchers).install()
     rec = fla_cpu.make_recorder("record")       # FLA's TileLang kernel (dispatch on): record only
     heads = {tuple(map(int, h.split(":"))) for h in args.heads.split(",")}
     for label, grp, p in scenarios():
@@ -208,12 +270,14 @@ def worker(args):
         evs = tracker.events[n0:]
         miss = [e for e in evs if not e["hit"]]
         print(f"{args.phase} {label}: {time.time() - t0:.1f}s, {len(evs)} kernel lookups, {len(miss)} compiled "
-              f"({sum(e['seconds'] for e in miss):.1f}s){' FAILED ' + err if err else ''}", flush=True)
+              f"({sum(e['seconds'] for e in miss):.1f}s), {sum(bool(e.get('launcher_built')) for e in evs)} "
+              f"launchers built{' FAILED ' + err if err else ''}", flush=True)
         out.write(json.dumps(dict(scenario=label, group=group, seconds=round(time.time() - t0, 2), error=err,
                                   events=evs)) + "\n")
         out.flush()
     rec.restore()
-    out.write(json.dumps(dict(key_components=key_components(), pid=os.getpid())) + "\n")
+    out.write(json.dumps(dict(key_components=key_components(), pid=os.getpid(), launcher_builds=launchers.builds,
+                              launcher_s=round(launchers.seconds, 1))) + "\n")
     return 0
 
 
