@@ -53,6 +53,17 @@ def check_group(group, only, out):
     import triton
     from fla_triton_precompile import CompileTracker, key_components, run_scenario, scenarios
     tracker = CompileTracker(log=lambda s: print(s, flush=True)).install()
+    from triton.runtime import build
+    gcc = []                                    # C launchers / cuda_utils not in the cache: built with gcc here
+    orig_build = build._build
+
+    def _build(name, *a, **k):
+        t0 = time.perf_counter()
+        try:
+            return orig_build(name, *a, **k)
+        finally:
+            gcc.append((name, tracker.scenario, round(time.perf_counter() - t0, 2)))
+    build._build = _build
     import fla  # noqa: F401
     from bench_gdn import make_inputs
     comps = key_components()
@@ -77,6 +88,7 @@ def check_group(group, only, out):
         evs = tracker.events[n0:]
         miss = [e for e in evs if not e["hit"]]
         res["calls"].append(dict(scenario=label, wall_s=round(wall, 2), lookups=len(evs), compiles=len(miss),
+                                 launcher_builds=sum(1 for g in gcc if g[1] == label),
                                  compile_s=round(sum(e["seconds"] for e in miss), 2), error=err))
         print(f"{label}: first call {wall:.1f}s, {len(evs)} kernel variants loaded/compiled, {len(miss)} compiled "
               f"({sum(e['seconds'] for e in miss):.1f}s){' FAILED ' + err if err else ''}", flush=True)
@@ -89,6 +101,7 @@ def check_group(group, only, out):
         if not e["hit"]:
             k["compile_s"] = round(k["compile_s"] + e["seconds"], 2)
     res["kernels"] = per
+    res["gcc_builds"] = gcc
     json.dump(res, open(out, "w"), indent=1)
     return 0
 
@@ -135,7 +148,8 @@ def main():
     compiles = sum(c["compiles"] for c in calls)
     failed = [c for c in calls if c["error"]] + [r for r in results if r.get("error")]
     print(f"\n{len(calls)} calls, {sum(c['lookups'] for c in calls)} kernel variants, {compiles} compiled "
-          f"({sum(c['compile_s'] for c in calls):.1f}s), {len(failed)} failed; first calls {sum(c['wall_s'] for c in calls):.0f}s, "
+          f"({sum(c['compile_s'] for c in calls):.1f}s), "
+          f"{sum(len(r.get('gcc_builds', [])) for r in results)} C launchers built, {len(failed)} failed; first calls {sum(c['wall_s'] for c in calls):.0f}s, "
           f"total {time.time() - t_all:.0f}s")
     for r in results:
         for name, k in r.get("kernels", {}).items():

@@ -396,12 +396,14 @@ def main():
         events, miss, kernels = summarize(recs)
         comps = [r["key_components"] for r in recs if "key_components" in r]
         errors = [(r["scenario"], r["error"]) for r in recs if r.get("error")]
+        lb = sum(r.get("launcher_builds", 0) for r in recs)
         print(f"\nverify (fresh processes): {len([r for r in recs if 'scenario' in r])} scenarios, "
               f"{len(events)} kernel lookups, {len(events) - len(miss)} cache hits, {len(miss)} compiles, "
+              f"{lb} C launchers built (0 once all are cached), "
               f"{len(errors)} failed, {time.time() - t0:.0f} s")
         for e in miss:
             print(f"  MISS {e['kernel']} [{e['config']}] in {e['scenario']}")
-        result["verify"] = dict(lookups=len(events), hits=len(events) - len(miss), compiles=len(miss),
+        result["verify"] = dict(lookups=len(events), hits=len(events) - len(miss), compiles=len(miss), launcher_builds=lb,
                                 failed_scenarios=errors, wall_s=round(time.time() - t0))
         result["key_components"] = comps[0] if comps else None
         result["kernels"] = {n: dict(variants=sorted(k["configs"]), scenarios=sorted(k["scenarios"]))
