@@ -2,7 +2,7 @@
 # One H200 session for the TileLang kernels: GPU tests, cold-compile time, forward and backward benchmarks.
 # Run from the repo root on the device machine with `.devsite` and `.devkernels` (or `.tilelang_cache`)
 # carried; logs go to $OUT. Usage: scripts/device_kernels.sh MODES [extra bench_gdn.py arguments...], MODES one of
-# tests|cold|bench|bwd|profile|layer|walks|ab|all or several comma-separated (e.g. ab,tests; all leaves out ab)
+# tests|cold|bench|bwd|profile|layer|walks|ab|flacheck|all or several comma-separated (e.g. ab,tests; all leaves out ab)
 #   ab:    scripts/ab_kernel.py run $AB_ARGS: a kernel variant against the committed kernel, outputs and time side by
 #          side; the variant's TileLang cache, built here with `ab_kernel.py compile ... --cache .devvar/cache`, is
 #          merged into the kernels' cache when .devvar is carried
@@ -15,6 +15,7 @@
 #          minutes per shape, so add it only with its cache carried in .devpeer and BWD_ARGS="--impls
 #          flashqla_cp,flash_qla --refuse-peer-jit" (a shape the cache lacks then fails at once, noted in the report)
 #   walks: bench_walks.py, the two serial walks at every V tile width (calibrates launch.block_v_for)
+#   flacheck: with .devpeer/fla_triton_cache.tar.xz carried, whether FLA's Triton kernels load from it or compile
 set -uo pipefail
 what=${1:-all}
 shift || true
@@ -37,6 +38,11 @@ for peer in .devpeer/*_cache.tar.xz; do
   name=$(basename "$peer" .tar.xz)
   tar xJf "$peer" -C /tmp && cp -r "/tmp/$name/." "$TILELANG_CACHE_DIR"/
 done
+# FLA 0.6.0's Triton kernels built on the CPU machine (benchmarks/peer_cache/fla_triton_precompile.py), where it
+# built them: their group files hold absolute paths
+if [[ -f .devpeer/fla_triton_cache.tar.xz ]]; then
+  tar xJf .devpeer/fla_triton_cache.tar.xz -C /tmp && export TRITON_CACHE_DIR=/tmp/fla_triton_cache
+fi
 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >"$OUT/pip.log" 2>&1 || { cat "$OUT/pip.log"; exit 1; }
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv | tee "$OUT/gpu.txt"
 
@@ -61,6 +67,12 @@ chunk_gdn_fwd(q, q, v, g, beta, 128 ** -0.5, None, True, None)
 torch.cuda.synchronize()
 print(f"cold compile + first forward (Hqk=2, Hv=8, bf16): {time.perf_counter() - t0:.1f} s")
 EOF
+fi
+
+if runs flacheck; then
+  # FLA's Triton kernels: from the carried cache or compiled, per kernel (exit 1 if any compiled)
+  timeout "${FLACHECK_TIMEOUT:-300}" python3 benchmarks/peer_cache/fla_triton_check_gpu.py \
+    --out "$OUT/fla_triton_check.json" 2>&1 | tee "$OUT/fla_triton_check.log" | tail -30
 fi
 
 if runs bench; then
