@@ -1,17 +1,19 @@
 """On the H200: does FLA 0.6.0 find its Triton kernels in the carried Triton cache (no compile)?
 
     tar xJf .devpeer/fla_triton_cache.tar.xz -C /tmp && export TRITON_CACHE_DIR=/tmp/fla_triton_cache
-    PYTHONPATH=<extracted site> python benchmarks/peer_cache/fla_triton_check_gpu.py [--group gdn|bwd|all]
-        [--only REGEX] [--out results.json]
+    PYTHONPATH=<extracted site> python benchmarks/peer_cache/fla_triton_check_gpu.py [--group gdn|bwd|cp|all]
+        [--only REGEX] [--cp-tokens real|small] [--out results.json]
 
 One FLA call per scenario of fla_triton_precompile.py (bench_gdn's 10 CONFIGS through impl_fla with
-FLA_DISABLE_BACKEND_DISPATCH=1; bench_bwd's matrix through forward_fn("fla"), fwd+bwd then fwd, dispatch on), each
-group in its own process (the scripts' env). Triton's compile entry is wrapped: per kernel, how many variants came
+FLA_DISABLE_BACKEND_DISPATCH=1; bench_bwd's matrix through forward_fn("fla"), fwd+bwd then fwd, dispatch on;
+bench_cp's make_fla on ranks 0 and 1 of 2 and the one-rank baseline, fwd then fwd+bwd, dispatch on, at bench_cp's
+256K / 1M tokens unless --cp-tokens small, each rank through fla_scenarios.FakeDist on this one GPU), each group in
+its own process (the scripts' env). Triton's compile entry is wrapped: per kernel, how many variants came
 from the cache and how many compiled (misses, with their seconds); per call the wall time of its first run (the
 autotuner still benchmarks every config on first use: that is in the wall time, not a compile).
 First compares the Triton cache-key components (triton_key, ptxas, options, env) with the manifest, and points the
 cache's group files (absolute paths, triton/runtime/cache.py FileCacheManager.get_group) at TRITON_CACHE_DIR if it
-was unpacked elsewhere than /tmp/fla_triton_cache. bench_bwd's group also calls FLA's one TileLang kernel: carry
+was unpacked elsewhere than /tmp/fla_triton_cache. bench_bwd's and bench_cp's groups also call FLA's one TileLang kernel: carry
 fla_cache.tar.xz into TILELANG_CACHE_DIR, or its first calls include a TileLang JIT (not counted here).
 Exit status 0 iff no Triton kernel compiled and no call failed.
 """
@@ -46,12 +48,14 @@ def relocate(cache):
     return n
 
 
-def check_group(group, only, out):
+def check_group(group, only, out, cp_mode="real"):
     os.environ["FLA_FLASH_QLA"] = "0"
-    os.environ["FLA_DISABLE_BACKEND_DISPATCH"] = "1" if group == "gdn" else "0"
+    from fla_triton_precompile import GROUP_DISPATCH
+    os.environ["FLA_DISABLE_BACKEND_DISPATCH"] = GROUP_DISPATCH[group]
     import torch
     import triton
-    from fla_triton_precompile import CompileTracker, key_components, run_scenario, scenarios
+    from fla_triton_precompile import (CompileTracker, cp_inputs, cp_tokens, key_components, run_cp, run_scenario,
+                                       scenarios)
     tracker = CompileTracker(log=lambda s: print(s, flush=True)).install()
     from triton.runtime import build
     gcc = []                                    # C launchers / cuda_utils not in the cache: built with gcc here
@@ -75,12 +79,22 @@ def check_group(group, only, out):
             continue
         tracker.scenario = label
         n0 = len(tracker.events)
-        inputs = make_inputs(p["Hqk"], p["Hv"], p["seqs"])
+        dev = torch.device("cuda", torch.cuda.current_device())
+        if group == "cp":
+            T = cp_tokens(p, cp_mode)
+            inputs = cp_inputs(p, T, dev, fill=True)
+        else:
+            inputs = make_inputs(p["Hqk"], p["Hv"], p["seqs"])
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         err = None
         try:
-            run_scenario(group, p, inputs)
+            if group == "cp":
+                import fla_scenarios as S
+                with S.FakeDist(p["world"], p["rank"]) as fd:
+                    run_cp(p, T, inputs, dev, fd.group)
+            else:
+                run_scenario(group, p, inputs)
             torch.cuda.synchronize()
         except Exception as exc:  # noqa: BLE001
             err = f"{type(exc).__name__}: {exc}"[:300]
@@ -108,7 +122,9 @@ def check_group(group, only, out):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--group", default="all", choices=["gdn", "bwd", "all"])
+    ap.add_argument("--group", default="all", choices=["gdn", "bwd", "cp", "all"])
+    ap.add_argument("--cp-tokens", default="real", choices=["real", "small"],
+                    help="bench_cp's calls at its token counts (real) or at fla_triton_precompile.CP_SMALL_T")
     ap.add_argument("--only", default=None, help="regex on the scenario labels")
     ap.add_argument("--out", default="fla_triton_check.json")
     ap.add_argument("--no-relocate", action="store_true")
@@ -116,7 +132,7 @@ def main():
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
-        return check_group(args.group, args.only, args.out)
+        return check_group(args.group, args.only, args.out, args.cp_tokens)
     cache = os.environ.get("TRITON_CACHE_DIR")
     mpath = os.path.join(cache or "", "fla_triton_manifest.json")
     if not cache or not os.path.exists(mpath):
@@ -132,11 +148,12 @@ def main():
     mine, theirs = key_components(), manifest.get("key_components") or {}
     diff = {k: (theirs.get(k), v) for k, v in mine.items() if theirs.get(k) != v}
     print("cache-key components " + ("match the manifest" if not diff else f"DIFFER (manifest, here): {diff}"), flush=True)
-    groups = ["gdn", "bwd"] if args.group == "all" else [args.group]
+    groups = ["gdn", "bwd", "cp"] if args.group == "all" else [args.group]
     results, t_all = [], time.time()
     for g in groups:
         path = f"{args.out}.{g}"
-        cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--group", g, "--out", path]
+        cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--group", g, "--out", path,
+               "--cp-tokens", args.cp_tokens]
         rc = subprocess.call(cmd + (["--only", args.only] if args.only else []))
         if rc != 0 or not os.path.exists(path):
             print(f"[{g}] worker failed (rc {rc})")

@@ -2,6 +2,7 @@
 
     PYTHONPATH=/tmp/tri36:<extracted site>:/tmp/fdeps TRITON_CACHE_DIR=/tmp/fla_triton_cache \
         python fla_triton_precompile.py [--jobs 2] [--only REGEX] [--no-verify] [--verify-only] [--list]
+            [--cp-tokens small|real] [--verify-cp-tokens small|real]
 
 Needs triton == 3.6.0 exactly (the device image's): Triton's disk-cache key hashes its own sources, libtriton,
 the bundled ptxas' --version, the target and the compile options (triton/runtime/cache.py triton_key,
@@ -9,11 +10,17 @@ get_cache_key; backends/nvidia/compiler.py CUDABackend.hash, CUDAOptions.hash).
 1. compile: workers (at most --jobs at a time, one per head shape and benchmark) run FLA's real host code on CPU
    tensors as on one H200 (fla_cpu.py: torch.cuda and Triton's driver answer as cc 9.0 / GPUTarget("cuda", 90, 32)),
    for the calls bench_gdn.py (impl_fla, its 10 CONFIGS, FLA_DISABLE_BACKEND_DISPATCH=1) and bench_bwd.py
-   (forward_fn("fla"), its 4 x 2 x 4 matrix, fwd+bwd then fwd under no_grad, dispatch on) make. Every Triton
+   (forward_fn("fla"), its 4 x 2 x 4 matrix, fwd+bwd then fwd under no_grad, dispatch on) and bench_cp.py (make_fla:
+   FLA's CP context over a torch.distributed stand-in, ranks 0 and 1 of 2 on contiguous shards and the one-rank
+   baseline on the whole sequence; fwd, then fwd+bwd; dispatch on) make. Every Triton
    launch compiles its kernel (warmup=True) and returns without launching; the autotuner's benchmark compiles
    each config and reports a dummy time. FLA_CACHE_RESULTS=0, so no autotune result (with the dummy times) is
    written: on the GPU the autotuner still benchmarks every config, from the cache.
 2. verify: fresh processes repeat the calls; every compile must be a cache hit. Writes <cache>/fla_triton_manifest.json.
+bench_cp's calls run at CP_SMALL_T tokens by default (--cp-tokens real: bench_cp's 256K / 1M, ~18 GB of CPU tensors
+for the 1M-token calls): Triton's cache key sees T only through its integer specialization (divisible by 16, == 1,
+32/64-bit) and FLA's host code takes the same paths at both sizes; --verify-only --verify-cp-tokens real checks
+that claim (every real-size call must be a cache hit) and records it in the manifest's "checks".
 FLA's one TileLang kernel (bench_bwd, dispatch on) is only recorded here: fla_precompile.py builds it.
 """
 from __future__ import annotations
@@ -37,8 +44,15 @@ TRITON_VERSION = "3.6.0"
 # --------------------------------------------------------------------------------------------------
 # scenarios (shared with fla_triton_check_gpu.py): the FLA calls of bench_gdn.py and bench_bwd.py
 # --------------------------------------------------------------------------------------------------
+# bench_cp's FLA calls at a smaller token count (see the module doc): the whole sequence (world 1), the 2 shards and
+# their chunk counts stay multiples of 16 (and > 1), and the chunk count stays above the H200's 132 SMs
+CP_SMALL_T = 32768
+GROUP_DISPATCH = dict(gdn="1", bwd="0", cp="0")   # FLA_DISABLE_BACKEND_DISPATCH as each script runs FLA
+
+
 def scenarios():
-    """[(label, group, params)]; group "gdn" runs with FLA_DISABLE_BACKEND_DISPATCH=1, "bwd" with 0 (as the scripts)."""
+    """[(label, group, params)]; group "gdn" runs with FLA_DISABLE_BACKEND_DISPATCH=1, "bwd" and "cp" with 0 (as the
+    scripts: bench_cp does not set it, FLA's default is dispatch on)."""
     sys.path.insert(0, BENCH)
     out = []
     from bench_gdn import CONFIGS
@@ -51,7 +65,49 @@ def scenarios():
             for n in SEQS:
                 out.append((f"bwd Hqk={Hqk} Hv={Hv} T={T} seqs={T // n}x{n}", "bwd",
                             dict(Hqk=Hqk, Hv=Hv, seqs=[T // n] * n)))
+    sys.path.insert(0, HERE)
+    from fla_scenarios import CP_HEADS, CP_TOKENS, CP_WORLDS   # bench_cp's defaults (--tokens, --heads), 2 ranks
+    for T in CP_TOKENS:
+        for Hv in CP_HEADS:
+            for world, rank in CP_WORLDS:
+                out.append((f"cp world={world} rank={rank} Hqk={Hv // 2} Hv={Hv} T={T}", "cp",
+                            dict(Hqk=Hv // 2, Hv=Hv, T=T, world=world, rank=rank)))
     return out
+
+
+def cp_tokens(p, mode):
+    """The token count a cp scenario runs at: bench_cp's ("real") or CP_SMALL_T ("small")."""
+    return p["T"] if mode == "real" else CP_SMALL_T
+
+
+def cp_inputs(p, T, device, fill=False):
+    """bench_cp's shard of rank `rank` (T // world tokens; the one-rank baseline: the whole sequence) as bench_cp
+    inputs() + shard() make it: q, k, v, beta bf16, g float32, contiguous, requires_grad (values only on the GPU)."""
+    import fla_scenarios as S
+    x = S.make_inputs(T // p["world"], p["Hqk"], p["Hv"], device)
+    if fill:
+        S.fill_model_like(x)
+    return x
+
+
+def run_cp(p, T, x, device, group, exact_backward=True):
+    """bench_cp make_fla + step on this rank (call inside fla_scenarios.FakeDist(world, rank) or a real group of
+    that size): the context from the global cu_seqlens [0, T], then its "fwd" step (grad enabled, no backward), then
+    its "fwd+bwd" step, o.float().sum().backward(). exact_backward=False: o.backward() with the gradient that one
+    produces (bf16 ones, made contiguous by FLA's input_guard) without the fp32 copy of o (CPU memory at 1M tokens)."""
+    import torch
+    import torch.distributed as dist
+    from fla.ops.cp import build_cp_context
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    assert (dist.get_world_size(group), dist.get_rank(group)) == (p["world"], p["rank"])
+    cu = torch.tensor([0, T], dtype=torch.int32, device=device)
+    ctx = build_cp_context(cu.long(), group=group, cu_seqlens_cpu=cu.long().cpu())
+    chunk_gated_delta_rule(**x, cp_context=ctx)
+    o = chunk_gated_delta_rule(**x, cp_context=ctx)[0]
+    if exact_backward:
+        o.float().sum().backward()
+    else:
+        o.backward(torch.ones((), dtype=o.dtype, device=o.device).expand(o.shape))
 
 
 def cpu_inputs(Hqk, Hv, lengths):
@@ -237,7 +293,7 @@ def install_compile_only():
 def worker(args):
     group = args.group
     os.environ["FLA_FLASH_QLA"] = "0"
-    os.environ["FLA_DISABLE_BACKEND_DISPATCH"] = "1" if group == "gdn" else "0"
+    os.environ["FLA_DISABLE_BACKEND_DISPATCH"] = GROUP_DISPATCH[group]
     os.environ["FLA_CACHE_RESULTS"] = "0"      # no autotune results (dummy timings) in the cache
     sys.path.insert(0, HERE)
     sys.path.insert(0, BENCH)
@@ -264,15 +320,28 @@ def worker(args):
         err = None
         try:
             with fla_cpu.fake_h200():
-                run_scenario(group, p, cpu_inputs(p["Hqk"], p["Hv"], p["seqs"]))
+                if group == "cp":
+                    import fla_scenarios as S
+                    T = cp_tokens(p, args.cp_tokens)
+                    x = cp_inputs(p, T, "cpu")
+                    with S.FakeDist(p["world"], p["rank"]) as fd:
+                        run_cp(p, T, x, "cpu", fd.group, exact_backward=T == CP_SMALL_T)
+                    del x
+                else:
+                    run_scenario(group, p, cpu_inputs(p["Hqk"], p["Hv"], p["seqs"]))
         except Exception as exc:  # noqa: BLE001
             err = f"{type(exc).__name__}: {exc}"[:500]
+            if os.environ.get("FTP_TRACEBACK"):
+                import traceback
+                traceback.print_exc()
         evs = tracker.events[n0:]
         miss = [e for e in evs if not e["hit"]]
-        print(f"{args.phase} {label}: {time.time() - t0:.1f}s, {len(evs)} kernel lookups, {len(miss)} compiled "
+        at = f" (at T={cp_tokens(p, args.cp_tokens)})" if group == "cp" else ""
+        print(f"{args.phase} {label}{at}: {time.time() - t0:.1f}s, {len(evs)} kernel lookups, {len(miss)} compiled "
               f"({sum(e['seconds'] for e in miss):.1f}s), {sum(bool(e.get('launcher_built')) for e in evs)} "
               f"launchers built{' FAILED ' + err if err else ''}", flush=True)
         out.write(json.dumps(dict(scenario=label, group=group, seconds=round(time.time() - t0, 2), error=err,
+                                  tokens=cp_tokens(p, args.cp_tokens) if group == "cp" else sum(p["seqs"]),
                                   events=evs)) + "\n")
         out.flush()
     rec.restore()
@@ -285,24 +354,24 @@ def worker(args):
 # driver
 # --------------------------------------------------------------------------------------------------
 def tasks(only=None):
-    """(group, heads): one per head shape and benchmark; bench_bwd's (fwd+bwd, 8 calls each) first."""
+    """(group, heads): one per head shape and benchmark; bench_bwd's (fwd+bwd, 8 calls each) first, then bench_cp's."""
     seen = collections.OrderedDict()
     for label, group, p in scenarios():
         if only and not re.search(only, label):
             continue
         seen.setdefault((group, p["Hqk"], p["Hv"]), 0)
         seen[(group, p["Hqk"], p["Hv"])] += 1
-    return sorted(seen, key=lambda t: (t[0] != "bwd", -t[1] * t[2]))
+    return sorted(seen, key=lambda t: (dict(bwd=0, cp=1).get(t[0], 2), -t[1] * t[2]))
 
 
-def run_workers(phase, jobs, work, only):
+def run_workers(phase, jobs, work, only, cp_mode="small"):
     """Run the tasks in subprocesses, at most `jobs` at a time; returns the records they wrote."""
     todo = [(g, f"{a}:{b}") for g, a, b in tasks(only)]
-    if phase == "verify":   # one fresh process per group is enough (nothing compiles)
+    if phase == "verify":   # one fresh process per group is enough (nothing compiles), per head at bench_cp's sizes
         by = collections.OrderedDict()
         for g, h in todo:
-            by.setdefault(g, []).append(h)
-        todo = [(g, ",".join(hs)) for g, hs in by.items()]
+            by.setdefault(g if g != "cp" or cp_mode == "small" else f"cp {h}", (g, []))[1].append(h)
+        todo = [(g, ",".join(hs)) for g, hs in by.values()]
     running, files = [], []
     while todo or running:
         while todo and len(running) < jobs:
@@ -311,7 +380,7 @@ def run_workers(phase, jobs, work, only):
             if os.path.exists(path):
                 os.remove(path)
             cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--phase", phase, "--group", g,
-                   "--heads", h, "--out", path] + (["--only", only] if only else [])
+                   "--heads", h, "--out", path, "--cp-tokens", cp_mode] + (["--only", only] if only else [])
             print(f"[{phase}] start {g} {h}", flush=True)
             running.append((subprocess.Popen(cmd), g, h, time.time()))
             files.append(path)
@@ -351,6 +420,10 @@ def main():
     ap.add_argument("--no-verify", action="store_true")
     ap.add_argument("--verify-only", action="store_true")
     ap.add_argument("--list", action="store_true")
+    ap.add_argument("--cp-tokens", choices=["small", "real"], default="small",
+                    help=f"bench_cp's calls at {CP_SMALL_T} tokens (small) or at bench_cp's (real) when compiling")
+    ap.add_argument("--verify-cp-tokens", choices=["small", "real"], default="small",
+                    help="the same for the fresh-process check (real: one process per head shape, ~18 GB at 1M)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--phase", default="compile", help=argparse.SUPPRESS)
     ap.add_argument("--group", help=argparse.SUPPRESS)
@@ -374,7 +447,7 @@ def main():
     result = dict(cache=cache)
     if not args.verify_only:
         t0 = time.time()
-        recs = run_workers("compile", args.jobs, work, args.only)
+        recs = run_workers("compile", args.jobs, work, args.only, args.cp_tokens)
         events, miss, kernels = summarize(recs)
         failed = [e for e in events if e.get("failed")]
         errors = [(r["scenario"], r["error"]) for r in recs if r.get("error")]
@@ -392,7 +465,7 @@ def main():
                                  failed_scenarios=errors)
     if not args.no_verify:
         t0 = time.time()
-        recs = run_workers("verify", args.jobs, work, args.only)
+        recs = run_workers("verify", args.jobs, work, args.only, args.verify_cp_tokens)
         events, miss, kernels = summarize(recs)
         comps = [r["key_components"] for r in recs if "key_components" in r]
         errors = [(r["scenario"], r["error"]) for r in recs if r.get("error")]
@@ -404,19 +477,25 @@ def main():
         for e in miss:
             print(f"  MISS {e['kernel']} [{e['config']}] in {e['scenario']}")
         result["verify"] = dict(lookups=len(events), hits=len(events) - len(miss), compiles=len(miss), launcher_builds=lb,
-                                failed_scenarios=errors, wall_s=round(time.time() - t0))
+                                failed_scenarios=errors, wall_s=round(time.time() - t0), only=args.only,
+                                cp_tokens=args.verify_cp_tokens, calls=len([r for r in recs if "scenario" in r]))
         result["key_components"] = comps[0] if comps else None
         result["kernels"] = {n: dict(variants=sorted(k["configs"]), scenarios=sorted(k["scenarios"]))
                              for n, k in kernels.items()}
-        result["scenarios"] = [dict(scenario=r["scenario"], group=r["group"], lookups=len(r["events"]),
+        result["scenarios"] = [dict(scenario=r["scenario"], group=r["group"], tokens=r.get("tokens"), lookups=len(r["events"]),
                                     compiles=sum(not e["hit"] for e in r["events"])) for r in recs if "scenario" in r]
         import importlib.metadata as md
         result["fla"] = md.version("fla-core")
-        result["env"] = dict(FLA_FLASH_QLA="0", FLA_DISABLE_BACKEND_DISPATCH="gdn: 1, bwd: 0")
+        result["env"] = dict(FLA_FLASH_QLA="0", FLA_DISABLE_BACKEND_DISPATCH="gdn: 1, bwd: 0, cp: 0")
+        result["cp_small_tokens"] = CP_SMALL_T
         old = {}
         mpath = os.path.join(cache, MANIFEST)
         if args.verify_only and os.path.exists(mpath):
             old = json.load(open(mpath))
+        if args.verify_only and old and (args.only or args.verify_cp_tokens != "small"):
+            # a partial or real-size check: recorded next to the full one, which it leaves as it is
+            check = dict(result["verify"], scenarios=result["scenarios"], when=time.strftime("%Y-%m-%d %H:%M"))
+            result = dict(checks=old.get("checks", []) + [check])
         json.dump({**old, **result}, open(mpath, "w"), indent=1, sort_keys=True)
         print(f"wrote {mpath}")
         autotune = [f for _, _, fs in os.walk(cache) for f in fs if f.endswith(".autotune.json")]
