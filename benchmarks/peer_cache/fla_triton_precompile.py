@@ -372,7 +372,7 @@ def run_workers(phase, jobs, work, only, cp_mode="small"):
         for g, h in todo:
             by.setdefault(g if g != "cp" or cp_mode == "small" else f"cp {h}", (g, []))[1].append(h)
         todo = [(g, ",".join(hs)) for g, hs in by.values()]
-    running, files = [], []
+    running, files, dead = [], [], []
     while todo or running:
         while todo and len(running) < jobs:
             g, h = todo.pop(0)
@@ -390,11 +390,13 @@ def run_workers(phase, jobs, work, only, cp_mode="small"):
             if proc.poll() is not None:
                 running.remove(item)
                 print(f"[{phase}] done {g} {h}: rc {proc.returncode}, {time.time() - t0:.0f}s", flush=True)
+                if proc.returncode != 0:   # e.g. killed for memory: its unfinished calls are not in its records
+                    dead.append(dict(scenario=f"worker {g} {h}", group=g, error=f"worker rc {proc.returncode}"))
     recs = []
     for path in files:
         if os.path.exists(path):
             recs += [json.loads(line) for line in open(path)]
-    return recs
+    return recs + [dict(d, events=[]) for d in dead]
 
 
 def summarize(recs):
