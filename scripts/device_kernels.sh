@@ -34,7 +34,7 @@ fi
 # the peers' TileLang kernels built on the CPU machine (benchmarks/peer_cache/: FlashQLA 0.1.3's
 # fqla_cache, FLA 0.6.0's fla_cache), when carried in .devpeer
 for peer in .devpeer/*_cache.tar.xz; do
-  [[ -f $peer ]] || continue
+  [[ -f $peer && $peer != *fla_triton_cache* ]] || continue
   name=$(basename "$peer" .tar.xz)
   tar xJf "$peer" -C /tmp && cp -r "/tmp/$name/." "$TILELANG_CACHE_DIR"/
 done
@@ -71,7 +71,9 @@ fi
 
 if runs flacheck; then
   # FLA's Triton kernels: from the carried cache or compiled, per kernel (exit 1 if any compiled)
-  timeout "${FLACHECK_TIMEOUT:-300}" python3 benchmarks/peer_cache/fla_triton_check_gpu.py \
+  # FLACHECK_ARGS="--group gdn" checks only what bench_gdn.py calls (the cp group runs bench_cp's 1M tokens)
+  # shellcheck disable=SC2086
+  timeout "${FLACHECK_TIMEOUT:-300}" python3 benchmarks/peer_cache/fla_triton_check_gpu.py ${FLACHECK_ARGS:-} \
     --out "$OUT/fla_triton_check.json" 2>&1 | tee "$OUT/fla_triton_check.log" | tail -30
 fi
 
