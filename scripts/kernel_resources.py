@@ -54,6 +54,9 @@ ELECTED_BRANCH = re.compile(r"if \(tl::tl_shuffle_elect<\d+>\(\)\)|if \(\(\(int\
 # any branch on the thread index (a role's, or part of a tile's threads)
 THREAD_BRANCH = re.compile(r"^\s*(\} else )?if \(.*threadIdx")
 THREAD_BARRIER = re.compile(r"__syncthreads\(\)|__sync_thread_partial\(|\bbar\.sync\b|\bbarrier\.sync\b")
+# a branch only thread N takes, and TileLang's TMA election (cute::elect_one_sync: elect.sync over the full warp)
+ONE_THREAD_BRANCH = re.compile(r"if \(\(\(int\)threadIdx\.x\) == \d+\)")
+WARP_ELECTION = re.compile(r"tl::tl_shuffle_elect<\d+>\(\)")
 
 
 def _lines_in_blocks(source: str, block_kind):
@@ -78,6 +81,10 @@ def _thread_branch(line, previous):
     return "elected" if ELECTED_BRANCH.search(line) else "threads" if THREAD_BRANCH.search(line) else None
 
 
+def _one_thread_branch(line, previous):
+    return "one thread" if ONE_THREAD_BRANCH.search(line) else None
+
+
 def _unrolled_loop(line, previous):
     return "unrolled" if previous == "#pragma unroll" and line.lstrip().startswith("for (") else None
 
@@ -89,8 +96,12 @@ def barrier_hazards(source: str) -> list[tuple[int, str, str]]:
     arrivals of another barrier. TileLang 0.1.15 generates both: its storage-sync pass puts a barrier inside the
     one-thread TMA branch when the load's coordinates read shared memory written elsewhere in the loop, and
     inside a half-CTA branch when a per-row register fragment gets a layout that leaves half the threads idle
-    (docs/kernels.md, "Thirtieth session")."""
-    found = []
+    (docs/kernels.md, "Thirtieth session"). Also every TMA election (`tl_shuffle_elect`, an elect.sync whose
+    member mask is the whole warp) inside a branch one thread takes: the other 31 lanes never execute it, which
+    is undefined behaviour for a .sync instruction (a `T.tma_copy` written inside `if tx == 0`)."""
+    found = [(number, line.strip(), "a warp-wide election (elect.sync) inside a branch one thread takes")
+             for number, line, inside in _lines_in_blocks(source, _one_thread_branch)
+             if inside and WARP_ELECTION.search(line)]
     for number, line, inside in _lines_in_blocks(source, _thread_branch):
         if not THREAD_BARRIER.search(line):
             continue

@@ -78,6 +78,23 @@ def test_barriers_every_waited_thread_reaches_pass():
     assert barrier_hazards(BARRIER_OUTSIDE) == []
 
 
+# a TMA load written inside `if tx == 0` (a segment_chain variant, thirty-fourth session): TileLang still wraps the
+# issue in its warp-wide election, which only thread 0 reaches
+ELECTION_IN_THREAD_ZERO = """\
+    if (((int)threadIdx.x) == 0) {
+      if (tl::tl_shuffle_elect<1>()) {
+        m_full[0].expect_transaction(65536);
+        tl::tma_load(mats_desc, m_full[0], M_s, 0, 0, row);
+      }
+    }
+"""
+
+
+def test_a_warp_election_inside_a_one_thread_branch_is_found():
+    why = "a warp-wide election (elect.sync) inside a branch one thread takes"
+    assert barrier_hazards(ELECTION_IN_THREAD_ZERO) == [(2, "if (tl::tl_shuffle_elect<1>()) {", why)]
+
+
 def test_a_barrier_in_every_step_of_an_unrolled_pass_is_found():
     # the TMA issue above: its box loop is unrolled, the barrier in it is found by both checks
     assert barriers_in_unrolled_loops(ELECTED_WITH_BARRIER) == [(7, "tl::__sync_thread_partial(4, 128);")]
