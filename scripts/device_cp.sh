@@ -13,10 +13,10 @@ mkdir -p "$OUT" /tmp/s /tmp/tlc
 tar xJf .devsite/site.tar.xz -C /tmp/s && tar xJf .devkernels/kernels.tar.xz -C /tmp/tlc || exit 1
 # the peers' TileLang kernels built on the CPU machine (benchmarks/peer_cache/), when carried in .devpeer
 for cache in .devpeer/*_cache.tar.xz; do
-  [[ -f $cache && $cache != *fla_triton_cache* ]] && tar xJf "$cache" -C /tmp && cp -r "/tmp/$(basename "$cache" .tar.xz)/." /tmp/tlc/
+  [[ -f $cache ]] && tar xJf "$cache" -C /tmp && cp -r "/tmp/$(basename "$cache" .tar.xz)/." /tmp/tlc/
 done
 # FLA's Triton kernels (benchmarks/peer_cache/fla_triton_precompile.py), unpacked where they were built
-[[ -f .devpeer/fla_triton_cache.tar.xz ]] && tar xJf .devpeer/fla_triton_cache.tar.xz -C /tmp \
+[[ -f .devpeer/fla_triton.tar.xz ]] && tar xJf .devpeer/fla_triton.tar.xz -C /tmp \
   && export TRITON_CACHE_DIR=/tmp/fla_triton_cache
 peer=.devpeer/fqla_cache.tar.xz
 export PYTHONPATH=/tmp/s/site:$PWD TILELANG_CACHE_DIR=/tmp/tlc PYTHONUNBUFFERED=1 FLASHQLA_TEST_PREBUILT=/tmp/tlc

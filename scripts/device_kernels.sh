@@ -15,7 +15,7 @@
 #          minutes per shape, so add it only with its cache carried in .devpeer and BWD_ARGS="--impls
 #          flashqla_cp,flash_qla --refuse-peer-jit" (a shape the cache lacks then fails at once, noted in the report)
 #   walks: bench_walks.py, the two serial walks at every V tile width (calibrates launch.block_v_for)
-#   flacheck: with .devpeer/fla_triton_cache.tar.xz carried, whether FLA's Triton kernels load from it or compile
+#   flacheck: with .devpeer/fla_triton.tar.xz carried, whether FLA's Triton kernels load from it or compile
 set -uo pipefail
 what=${1:-all}
 shift || true
@@ -34,14 +34,14 @@ fi
 # the peers' TileLang kernels built on the CPU machine (benchmarks/peer_cache/: FlashQLA 0.1.3's
 # fqla_cache, FLA 0.6.0's fla_cache), when carried in .devpeer
 for peer in .devpeer/*_cache.tar.xz; do
-  [[ -f $peer && $peer != *fla_triton_cache* ]] || continue
+  [[ -f $peer ]] || continue
   name=$(basename "$peer" .tar.xz)
   tar xJf "$peer" -C /tmp && cp -r "/tmp/$name/." "$TILELANG_CACHE_DIR"/
 done
 # FLA 0.6.0's Triton kernels built on the CPU machine (benchmarks/peer_cache/fla_triton_precompile.py), where it
 # built them: their group files hold absolute paths
-if [[ -f .devpeer/fla_triton_cache.tar.xz ]]; then
-  tar xJf .devpeer/fla_triton_cache.tar.xz -C /tmp && export TRITON_CACHE_DIR=/tmp/fla_triton_cache
+if [[ -f .devpeer/fla_triton.tar.xz ]]; then
+  tar xJf .devpeer/fla_triton.tar.xz -C /tmp && export TRITON_CACHE_DIR=/tmp/fla_triton_cache
 fi
 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >"$OUT/pip.log" 2>&1 || { cat "$OUT/pip.log"; exit 1; }
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv | tee "$OUT/gpu.txt"

@@ -49,14 +49,14 @@ def parse_build_args(raw) -> tuple:
     return tuple(int(a) if a.lstrip("-").isdigit() else {"True": True, "False": False}.get(a, a) for a in raw)
 
 
-# the one-thread branches TileLang emits around a TMA issue (T.tma_copy, T.copy through TMA) or a thread-0 step
-ELECTED_BRANCH = re.compile(r"if \(tl::tl_shuffle_elect<\d+>\(\)\)|if \(\(\(int\)threadIdx\.x\) == \d+\)")
 # any branch on the thread index (a role's, or part of a tile's threads)
 THREAD_BRANCH = re.compile(r"^\s*(\} else )?if \(.*threadIdx")
 THREAD_BARRIER = re.compile(r"__syncthreads\(\)|__sync_thread_partial\(|\bbar\.sync\b|\bbarrier\.sync\b")
 # a branch only thread N takes, and TileLang's TMA election (cute::elect_one_sync: elect.sync over the full warp)
 ONE_THREAD_BRANCH = re.compile(r"if \(\(\(int\)threadIdx\.x\) == \d+\)")
 WARP_ELECTION = re.compile(r"tl::tl_shuffle_elect<\d+>\(\)")
+# the one-thread branches TileLang emits around a TMA issue (T.tma_copy, T.copy through TMA) or a thread-0 step
+ELECTED_BRANCH = re.compile(rf"if \({WARP_ELECTION.pattern}\)|{ONE_THREAD_BRANCH.pattern}")
 
 
 def _lines_in_blocks(source: str, block_kind):

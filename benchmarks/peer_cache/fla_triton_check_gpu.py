@@ -1,6 +1,6 @@
 """On the H200: does FLA 0.6.0 find its Triton kernels in the carried Triton cache (no compile)?
 
-    tar xJf .devpeer/fla_triton_cache.tar.xz -C /tmp && export TRITON_CACHE_DIR=/tmp/fla_triton_cache
+    tar xJf .devpeer/fla_triton.tar.xz -C /tmp && export TRITON_CACHE_DIR=/tmp/fla_triton_cache
     PYTHONPATH=<extracted site> python benchmarks/peer_cache/fla_triton_check_gpu.py [--group gdn|bwd|cp|all]
         [--only REGEX] [--cp-tokens real|small] [--out results.json]
 
