@@ -26,6 +26,7 @@ medians, on a GPU) and the relative L2 difference of every output. This is how k
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import os
 import sys
@@ -147,11 +148,18 @@ def parse_config(text):
     return int(Hqk), int(Hv), [int(length)] * int(count)
 
 
-def ab(kernel, build_args, variants, configs, make_inputs, intra_cp="off", reps=20, log=print):
+def ab(kernel, build_args, variants, configs, make_inputs, intra_cp="off", reps=20, log=print, hang_seconds=None):
     """For every config: record the launch once, compare every variant in `variants` ({name: kernel}) with the
-    committed kernel and time them all (on a GPU). Returns the rows it printed, one per config and variant."""
+    committed kernel and time them all (on a GPU). Returns the rows it printed, one per config and variant.
+
+    With `hang_seconds`, a config that takes longer ends the process with every thread's traceback (the line
+    that waits on the GPU shows which kernel never returned). faulthandler's watchdog is a C thread that needs
+    no GIL, so it fires even while the main thread is blocked in a host read of a hung kernel's output."""
     rows = []
     for Hqk, Hv, lengths in configs:
+        if hang_seconds:
+            log(f"({Hqk}, {Hv}) {lengths[0]} x {len(lengths)}: starting (ends the process after {hang_seconds} s)")
+            faulthandler.dump_traceback_later(hang_seconds, exit=True)
         inputs = make_inputs(Hqk, Hv, lengths)
         committed, args = record_launch(kernel, build_args, lambda: public_op_step(inputs, intra_cp))
         reference = reference_of(committed, args)  # before the timed runs below write into `args`
@@ -169,6 +177,7 @@ def ab(kernel, build_args, variants, configs, make_inputs, intra_cp="off", reps=
                      f"({row['committed_us'] / row['variant_us']:.3f}x); " if "variant_us" in row else "")
             log(f"{row['config']} {name}: {times}{diffs}")
             rows.append(row)
+        faulthandler.cancel_dump_traceback_later()
     return rows
 
 
@@ -203,6 +212,8 @@ def main(argv=None):
     ap.add_argument("--configs", default="16:32:4096x8,2:8:32768x1")
     ap.add_argument("--intra-cp", default="off")
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--hang-seconds", type=float, default=180, help="run: end the process, with tracebacks, when "
+                    "one config takes longer (a kernel hung on an mbarrier never returns); 0 turns it off")
     ap.add_argument("--variant-args", default=None, help="run: build the variants with these arguments "
                     "(comma- or space-separated) instead of the committed kernel's")
     ap.add_argument("--variant-takes", type=int, default=None, help="run: the variants take the first N runtime "
@@ -230,8 +241,9 @@ def main(argv=None):
     if opts.variant_last_arg is not None:
         variants = {name: with_last_argument(kernel, opts.variant_last_arg) for name, kernel in variants.items()}
     intra_cp = opts.intra_cp if opts.intra_cp in ("off", "auto") else int(opts.intra_cp)
+    log = lambda line: print(line, flush=True)  # noqa: E731 (the watchdog's exit drops unflushed lines)
     ab(kernel, build_args, variants, [parse_config(c) for c in opts.configs.split(",")], make_inputs, intra_cp,
-       opts.reps)
+       opts.reps, log, opts.hang_seconds)
 
 
 if __name__ == "__main__":

@@ -32,26 +32,26 @@ cp_shapes=(--tokens 262144,1048576 --heads 8,32)
 fla_shape=(--tokens 262144 --heads 8)  # FLA's CP last, on one shape, where time is left
 (( NGPU >= 4 )) && cp_shapes=(--tokens 1048576 --heads 16,32,64) fla_shape=(--tokens 1048576 --heads 16)
 
-CUDA_VISIBLE_DEVICES=1 timeout 120 python3 -m pytest -q -x -rf tests/gpu --ignore=tests/gpu/test_first_call_latency.py \
+CUDA_VISIBLE_DEVICES=1 timeout -k 20 120 python3 -m pytest -q -x -rf tests/gpu --ignore=tests/gpu/test_first_call_latency.py \
   -k "not layer_ops" 2>&1 | tee "$OUT/tests.log" | tail -3
 say "GPU tests"
 # a g = 0 head (exact M path) against the float64 recurrence too: two bf16 runs differ by their own rounding twice
 for args in "--tokens 262144 --heads 2,8 --reference-intra-cp off --float64" "--tokens 262144 --heads 2,8 --cp-warmup -10 --no-zero-head" \
             "--tokens 65536 --heads 2,4 --layout zigzag --reference-intra-cp off --float64"; do
-  timeout 120 "${trN[@]}" benchmarks/cp_nccl_parity.py $args 2>&1 | grep "^rank\|Error" | tee -a "$OUT/cp_parity.log"
+  timeout -k 20 120 "${trN[@]}" benchmarks/cp_nccl_parity.py $args 2>&1 | grep "^rank\|Error" | tee -a "$OUT/cp_parity.log"
 done
 say "CP parity"
-timeout 220 "${tr2[@]}" benchmarks/megatron_gdn_layer.py 2>&1 | grep -v "Warning\|warn" | tee "$OUT/megatron_layer.log" \
+timeout -k 20 220 "${tr2[@]}" benchmarks/megatron_gdn_layer.py 2>&1 | grep -v "Warning\|warn" | tee "$OUT/megatron_layer.log" \
   | grep "flashqla\|output\|  d \|speed-up\|parity"
 say "Megatron layer"
-timeout "$(left)" "${trN[@]}" benchmarks/bench_cp.py "${cp_shapes[@]}" --reps 5 \
+timeout -k 20 "$(left)" "${trN[@]}" benchmarks/bench_cp.py "${cp_shapes[@]}" --reps 5 \
   --impls "flashqla exact,flashqla warmup" --out "$OUT/bench_cp.md" 2>&1 | tee "$OUT/bench_cp.log" | grep "^|\|^- "
 say "bench_cp flashqla"
 if [[ -f $peer ]]; then
-  timeout "$(left)" "${trN[@]}" benchmarks/bench_cp.py "${cp_shapes[@]}" --reps 5 \
+  timeout -k 20 "$(left)" "${trN[@]}" benchmarks/bench_cp.py "${cp_shapes[@]}" --reps 5 \
     --impls "FlashQLA dual CP" --out "$OUT/bench_cp_fqla.md" 2>&1 | tee "$OUT/bench_cp_fqla.log" | grep "^|\|^- "
   say "bench_cp FlashQLA"
 fi
-timeout "$(left)" "${trN[@]}" benchmarks/bench_cp.py "${fla_shape[@]}" --reps 5 --impls "FLA CP" \
+timeout -k 20 "$(left)" "${trN[@]}" benchmarks/bench_cp.py "${fla_shape[@]}" --reps 5 --impls "FLA CP" \
   --out "$OUT/bench_cp_fla.md" 2>&1 | tee "$OUT/bench_cp_fla.log" | grep "^|\|^- "
 say "bench_cp FLA"

@@ -50,12 +50,12 @@ if runs tests; then
   # the first-call latency test JIT-compiles from an empty cache (about 4 minutes): only with TESTS_FIRST_CALL=1
   skip=(--deselect tests/gpu/test_first_call_latency.py)
   [[ ${TESTS_FIRST_CALL:-0} == 1 ]] && skip=()
-  timeout "${TESTS_TIMEOUT:-420}" python3 -m pytest -q -s -rA tests/gpu "${skip[@]}" 2>&1 | tee "$OUT/tests.log" | tail -30
+  timeout -k 20 "${TESTS_TIMEOUT:-420}" python3 -m pytest -q -s -rA -o faulthandler_timeout=150 tests/gpu "${skip[@]}" 2>&1 | tee "$OUT/tests.log" | tail -30
 fi
 
 if runs cold; then
   # cold compile of the whole forward for one head configuration, empty cache, fresh process
-  TILELANG_CACHE_DIR=/tmp/cold_cache timeout 200 python3 - <<'EOF' 2>&1 | tee "$OUT/cold_compile.log"
+  TILELANG_CACHE_DIR=/tmp/cold_cache timeout -k 20 200 python3 - <<'EOF' 2>&1 | tee "$OUT/cold_compile.log"
 import time, torch
 t0 = time.perf_counter()
 from flashqla.kernels.hopper import chunk_gdn_fwd
@@ -73,47 +73,47 @@ if runs flacheck; then
   # FLA's Triton kernels: from the carried cache or compiled, per kernel (exit 1 if any compiled)
   # FLACHECK_ARGS="--group gdn" checks only what bench_gdn.py calls (the cp group runs bench_cp's 1M tokens)
   # shellcheck disable=SC2086
-  timeout "${FLACHECK_TIMEOUT:-300}" python3 benchmarks/peer_cache/fla_triton_check_gpu.py ${FLACHECK_ARGS:-} \
+  timeout -k 20 "${FLACHECK_TIMEOUT:-300}" python3 benchmarks/peer_cache/fla_triton_check_gpu.py ${FLACHECK_ARGS:-} \
     --out "$OUT/fla_triton_check.json" 2>&1 | tee "$OUT/fla_triton_check.log" | tail -30
 fi
 
 if runs bench; then
   tag=${BENCH_TAG:-}
-  timeout "${BENCH_TIMEOUT:-540}" python3 benchmarks/bench_gdn.py --out "$OUT/benchmarks$tag.md" \
+  timeout -k 20 "${BENCH_TIMEOUT:-540}" python3 benchmarks/bench_gdn.py --out "$OUT/benchmarks$tag.md" \
     --png "$OUT/benchmarks_fwd$tag.png" "$@" 2>&1 | tee "$OUT/bench$tag.log" | grep -v "^\s*$" | tail -40
 fi
 
 if runs bwd; then
-  timeout "${BWD_TIMEOUT:-300}" python3 benchmarks/bench_bwd.py --graphs --impls flashqla,fla ${BWD_ARGS:-} --out "$OUT/benchmarks_bwd.md" 2>&1 \
+  timeout -k 20 "${BWD_TIMEOUT:-300}" python3 benchmarks/bench_bwd.py --graphs --impls flashqla,fla ${BWD_ARGS:-} --out "$OUT/benchmarks_bwd.md" 2>&1 \
     | tee "$OUT/bench_bwd.log" | grep -v "^\s*$" | tail -40
 fi
 
 if runs profile; then
-  timeout 120 python3 benchmarks/profile_gdn.py step ${PROFILE_ARGS:-} 2>&1 | tee "$OUT/profile_step.log" | grep -v "^\s*$" | head -120
-  FLASHQLA_PREBUILT_KERNELS=$TILELANG_CACHE_DIR TILELANG_CACHE_DIR=/tmp/first_call_cache timeout 120 \
+  timeout -k 20 120 python3 benchmarks/profile_gdn.py step ${PROFILE_ARGS:-} 2>&1 | tee "$OUT/profile_step.log" | grep -v "^\s*$" | head -120
+  FLASHQLA_PREBUILT_KERNELS=$TILELANG_CACHE_DIR TILELANG_CACHE_DIR=/tmp/first_call_cache timeout -k 20 120 \
     python3 benchmarks/profile_gdn.py first-call --top 45 2>&1 | tee "$OUT/profile_first_call.log" | head -80
 fi
 
 if runs layer; then
   # the fused q/k L2 norm is opt-in until its GPU test passes (flashqla/ops/qk_norm.py): test it, then time
   # the layer with it off (against Megatron + FLA) and on (flashqla's layer alone)
-  timeout 120 python3 -m pytest -q -rA tests/gpu/test_tilelang_layer_ops.py -k l2norm 2>&1 | tail -5
+  timeout -k 20 120 python3 -m pytest -q -rA tests/gpu/test_tilelang_layer_ops.py -k l2norm 2>&1 | tail -5
   for l2 in 0 1; do
     extra=(); [[ $l2 == 1 ]] && extra=(--no-fla)
-    FLASHQLA_FUSED_L2NORM=$l2 NCCL_NVLS_ENABLE=0 timeout 300 python3 -m torch.distributed.run --standalone \
+    FLASHQLA_FUSED_L2NORM=$l2 NCCL_NVLS_ENABLE=0 timeout -k 20 300 python3 -m torch.distributed.run --standalone \
       --nproc-per-node 1 benchmarks/megatron_gdn_layer.py "${extra[@]}" ${LAYER_ARGS:-} 2>&1 \
       | tee "$OUT/megatron_layer_l2norm$l2.log" | grep -v "Warning\|warn" | tail -30
   done
 fi
 
 if runs walks; then
-  timeout 120 python3 benchmarks/bench_walks.py 2>&1 | tee "$OUT/bench_walks.log" | grep -v "TileLang" | tail -12
+  timeout -k 20 120 python3 benchmarks/bench_walks.py 2>&1 | tee "$OUT/bench_walks.log" | grep -v "TileLang" | tail -12
 fi
 
 if runs ab; then
   [[ -d .devvar/cache ]] && cp -r .devvar/cache/. "$TILELANG_CACHE_DIR"/
   # AB_ARGS unquoted on purpose: it is the argument list of `ab_kernel.py run`
   # shellcheck disable=SC2086
-  timeout "${AB_TIMEOUT:-400}" python3 scripts/ab_kernel.py run ${AB_ARGS:?AB_ARGS: KERNEL VARIANT BUILDER ARGS... [--configs ...]} \
+  timeout -k 20 "${AB_TIMEOUT:-400}" python3 scripts/ab_kernel.py run ${AB_ARGS:?AB_ARGS: KERNEL VARIANT BUILDER ARGS... [--configs ...]} \
     2>&1 | tee "$OUT/ab.log" | grep -v "TileLang" | tail -40
 fi

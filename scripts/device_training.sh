@@ -34,7 +34,7 @@ run() {  # run NAME TIMEOUT_S COMMAND...: logs to $OUT/NAME.log, copies the run'
   local name=$1 limit=$2; shift 2
   if [[ -n ${RUNS:-} && " $RUNS " != *" $name "* ]]; then return; fi  # RUNS="a b": only those runs
   local start=$SECONDS
-  timeout "$limit" "$@" --save-dir "runs/$name" --save-every 100000 >"$OUT/$name.log" 2>&1
+  timeout -k 20 "$limit" "$@" --save-dir "runs/$name" --save-every 100000 >"$OUT/$name.log" 2>&1
   echo "$name: rc=$? in $((SECONDS - start)) s; $(grep -h "throughput:\|loss: first" "$OUT/$name.log" | tr '\n' ' ')"
   for f in summary.json losses.json loss_curve.png; do cp "runs/$name/$f" "$OUT/$name.$f" 2>/dev/null; done
 }

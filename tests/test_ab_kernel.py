@@ -156,3 +156,33 @@ def test_variant_last_arg_replaces_the_last_runtime_argument(monkeypatch):
     monkeypatch.setattr(ab_kernel, "ab", lambda kernel, build_args, variants, *rest, **kw: variants["same.py"](1, 2, 3))
     ab_kernel.main(["run", "wy_inverse", "same.py", "build_wy_inverse", "bfloat16", "--variant-last-arg", "4"])
     assert calls == [(1, 2, 4)]
+
+
+def test_a_hung_variant_ends_the_process_with_its_traceback(tmp_path):
+    # a kernel spinning on an mbarrier never returns; the watchdog must end the run and name where it waited,
+    # instead of leaving the device call to time out with nothing written (a sleep stands in for the kernel)
+    script = tmp_path / "hang.py"
+    script.write_text(f"""
+import sys, time
+sys.path[:0] = [{os.path.dirname(__file__)!r}, {os.path.join(os.path.dirname(__file__), "..", "scripts")!r}]
+import pytest, kernel_emulator, ab_kernel
+from test_ab_kernel import cpu_inputs
+patch = pytest.MonkeyPatch()
+kernel_emulator.install(patch)
+from flashqla.ops import backends
+patch.setattr(backends, "tilelang_unsupported_reason", lambda call: None)
+def variant_that_never_returns(*args):
+    time.sleep(300)
+ab_kernel.ab("wy_inverse", ("bfloat16", False), {{"hung": variant_that_never_returns}}, [(1, 2, [64])], cpu_inputs,
+             log=lambda line: print(line, flush=True), hang_seconds=10)
+print("returned")
+""")
+    import subprocess
+    import time
+
+    start = time.monotonic()
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert time.monotonic() - start < 60
+    assert done.returncode != 0 and "returned" not in done.stdout
+    assert "(1, 2) 64 x 1: starting" in done.stdout
+    assert "Timeout" in done.stderr and "variant_that_never_returns" in done.stderr, done.stderr[-2000:]
