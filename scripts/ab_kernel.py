@@ -13,10 +13,15 @@
     # the committed kernel with another value of its last runtime argument (here 2 v-heads per CTA)
     python3 scripts/ab_kernel.py run wy_inverse kernels/hopper/wy_inverse.py build_wy_inverse bfloat16 True \\
         --variant-last-arg 2 --configs 2:8:16384x1
+    # a later launch of the same build (fused_fwd's second in a fwd+bwd is the backward's state recompute),
+    # against a variant built with other arguments (a V tile of 64 where the committed kernel's is 32)
+    python3 scripts/ab_kernel.py run fused_fwd path/to/variant.py build_fused_fwd bfloat16 32 \
+        --variant-args bfloat16,64 --launch-index 1 --configs 2:8:32768x1
 
 KERNEL names `launch.compiled_<KERNEL>`, the builder's arguments (integers, True/False, strings) are its
 build arguments. For every config (Hqk:Hv:tokens-per-sequence x sequences, bench_gdn's model-like inputs),
-one fwd+bwd of the public op records the first launch of KERNEL with those build arguments; the committed
+one fwd+bwd of the public op records the first launch of KERNEL with those build arguments (or the
+--launch-index'th); the committed
 kernel and the variant then run on their own copies of its tensors. The outputs are the tensors the
 committed kernel changes; both runs start with them NaN-filled, so memory one of them leaves unwritten
 shows as a count of positions where exactly one is NaN. Prints, per config, both times (CUDA-graph
@@ -45,14 +50,14 @@ def _clone(args):
     return [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
 
 
-def record_launch(kernel: str, build_args: tuple, run) -> tuple:
-    """(the committed kernel, a copy of the arguments of its first launch with `build_args`) while `run()`
-    runs. Patches `compiled_<kernel>` wherever the kernels' host modules bound it."""
+def record_launch(kernel: str, build_args: tuple, run, index: int = 0) -> tuple:
+    """(the committed kernel, a copy of the arguments of its launch number `index` (0: the first) with
+    `build_args`) while `run()` runs. Patches `compiled_<kernel>` wherever the kernels' host modules bound it."""
     from flashqla.kernels.hopper import backward, launch
 
     name = f"compiled_{kernel}"
     real = getattr(launch, name)
-    seen = {}
+    seen = {"launches": 0}
 
     def spy(*args):
         compiled = real(*args)
@@ -60,7 +65,9 @@ def record_launch(kernel: str, build_args: tuple, run) -> tuple:
             return compiled
 
         def call(*call_args):
-            seen.setdefault("args", _clone(call_args))
+            if seen["launches"] == index:
+                seen["args"] = _clone(call_args)
+            seen["launches"] += 1
             return compiled(*call_args)
         return call
 
@@ -73,7 +80,8 @@ def record_launch(kernel: str, build_args: tuple, run) -> tuple:
         for module in modules:
             setattr(module, name, real)
     if "args" not in seen:
-        raise RuntimeError(f"no launch of {kernel}{build_args} in this call")
+        raise RuntimeError(f"no launch of {kernel}{build_args} number {index} in this call "
+                           f"({seen['launches']} launches)")
     return real(*build_args), seen["args"]
 
 
@@ -148,7 +156,8 @@ def parse_config(text):
     return int(Hqk), int(Hv), [int(length)] * int(count)
 
 
-def ab(kernel, build_args, variants, configs, make_inputs, intra_cp="off", reps=20, log=print, hang_seconds=None):
+def ab(kernel, build_args, variants, configs, make_inputs, intra_cp="off", reps=20, log=print, hang_seconds=None,
+       launch_index=0):
     """For every config: record the launch once, compare every variant in `variants` ({name: kernel}) with the
     committed kernel and time them all (on a GPU). Returns the rows it printed, one per config and variant.
 
@@ -161,7 +170,7 @@ def ab(kernel, build_args, variants, configs, make_inputs, intra_cp="off", reps=
             log(f"({Hqk}, {Hv}) {lengths[0]} x {len(lengths)}: starting (ends the process after {hang_seconds} s)")
             faulthandler.dump_traceback_later(hang_seconds, exit=True)
         inputs = make_inputs(Hqk, Hv, lengths)
-        committed, args = record_launch(kernel, build_args, lambda: public_op_step(inputs, intra_cp))
+        committed, args = record_launch(kernel, build_args, lambda: public_op_step(inputs, intra_cp), launch_index)
         reference = reference_of(committed, args)  # before the timed runs below write into `args`
         committed_us = graph_time_us(lambda: committed(*args), reps) if torch.cuda.is_available() else None
         for name, variant in variants.items():
@@ -212,6 +221,8 @@ def main(argv=None):
     ap.add_argument("--configs", default="16:32:4096x8,2:8:32768x1")
     ap.add_argument("--intra-cp", default="off")
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--launch-index", type=int, default=0, help="run: which launch of the kernel with these build "
+                    "arguments to record in one fwd+bwd (0: the first; fused_fwd's 1 is the backward's state recompute)")
     ap.add_argument("--hang-seconds", type=float, default=180, help="run: end the process, with tracebacks, when "
                     "one config takes longer (a kernel hung on an mbarrier never returns); 0 turns it off")
     ap.add_argument("--variant-args", default=None, help="run: build the variants with these arguments "
@@ -243,7 +254,7 @@ def main(argv=None):
     intra_cp = opts.intra_cp if opts.intra_cp in ("off", "auto") else int(opts.intra_cp)
     log = lambda line: print(line, flush=True)  # noqa: E731 (the watchdog's exit drops unflushed lines)
     ab(kernel, build_args, variants, [parse_config(c) for c in opts.configs.split(",")], make_inputs, intra_cp,
-       opts.reps, log, opts.hang_seconds)
+       opts.reps, log, opts.hang_seconds, opts.launch_index)
 
 
 if __name__ == "__main__":

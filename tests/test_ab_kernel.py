@@ -138,8 +138,8 @@ def test_a_variant_lacking_the_last_runtime_argument_compares_on_the_others(emul
         seen["count"] = len(args)
         kernel_emulator.emulate_wy_inverse(*args, seen["last"])
 
-    def record(kernel, build_args, run):
-        committed, args = real_record(kernel, build_args, run)
+    def record(kernel, build_args, run, index=0):
+        committed, args = real_record(kernel, build_args, run, index)
         seen.update(last=args[-1], total=len(args))
         return committed, args
 
@@ -186,3 +186,16 @@ print("returned")
     assert done.returncode != 0 and "returned" not in done.stdout
     assert "(1, 2) 64 x 1: starting" in done.stdout
     assert "Timeout" in done.stderr and "variant_that_never_returns" in done.stderr, done.stderr[-2000:]
+
+
+def test_a_later_launch_is_recorded_by_its_index(emulated):
+    # fused_fwd runs twice in one fwd+bwd: the forward (store_states 0), then the backward's state recompute (1)
+    from flashqla.kernels.hopper import launch
+
+    block_v = launch.block_v_on(torch.device("cpu"), 1, 4)
+    step = lambda: ab_kernel.public_op_step(cpu_inputs(2, 4, [100]), "off")  # noqa: E731
+    store_states = [ab_kernel.record_launch("fused_fwd", ("bfloat16", block_v), step, index)[1][-1]
+                    for index in (0, 1)]
+    assert store_states == [0, 1]
+    with pytest.raises(RuntimeError, match="number 2 in this call \\(2 launches\\)"):
+        ab_kernel.record_launch("fused_fwd", ("bfloat16", block_v), step, 2)
