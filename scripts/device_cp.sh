@@ -9,19 +9,10 @@
 #   BUDGET_S=560 scripts/device_cp.sh        # stop starting new steps after BUDGET_S seconds
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; BUDGET_S=${BUDGET_S:-560}
-mkdir -p "$OUT" /tmp/s /tmp/tlc
-tar xJf .devsite/site.tar.xz -C /tmp/s && tar xJf .devkernels/kernels.tar.xz -C /tmp/tlc || exit 1
-# the peers' TileLang kernels built on the CPU machine (benchmarks/peer_cache/), when carried in .devpeer
-for cache in .devpeer/*_cache.tar.xz; do
-  [[ -f $cache ]] && tar xJf "$cache" -C /tmp && cp -r "/tmp/$(basename "$cache" .tar.xz)/." /tmp/tlc/
-done
-# FLA's Triton kernels (benchmarks/peer_cache/fla_triton_precompile.py), unpacked where they were built
-[[ -f .devpeer/fla_triton.tar.xz ]] && tar xJf .devpeer/fla_triton.tar.xz -C /tmp \
-  && export TRITON_CACHE_DIR=/tmp/fla_triton_cache
+[[ -f .devkernels/kernels.tar.xz ]] || { echo "carry .devkernels (scripts/pack_device_kernels.sh)"; exit 1; }
+source scripts/device_setup.sh || exit 1
 peer=.devpeer/fqla_cache.tar.xz
-export PYTHONPATH=/tmp/s/site:$PWD TILELANG_CACHE_DIR=/tmp/tlc PYTHONUNBUFFERED=1 FLASHQLA_TEST_PREBUILT=/tmp/tlc
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 FLA_FLASH_QLA=0
-python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >"$OUT/pip.log" 2>&1 || { cat "$OUT/pip.log"; exit 1; }
 nvidia-smi --query-gpu=name,clocks.sm,temperature.gpu,power.draw --format=csv | tee "$OUT/gpu.txt"
 say() { echo "== $* at $SECONDS s"; }
 left() { echo $(( BUDGET_S - SECONDS > 20 ? BUDGET_S - SECONDS : 20 )); }

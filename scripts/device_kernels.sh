@@ -21,29 +21,7 @@ what=${1:-all}
 shift || true
 runs() { [[ ,$what, == *,$1,* || ($what == all && $1 != ab) ]]; }
 OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT" /tmp/s
-tar xJf .devsite/site.tar.xz -C /tmp/s
-export PYTHONPATH=/tmp/s/site:$PWD PYTHONUNBUFFERED=1
-# the bf16 kernels built on the CPU machine (scripts/pack_device_kernels.sh), else a carried .tilelang_cache
-if [[ -f .devkernels/kernels.tar.xz ]]; then
-  mkdir -p /tmp/tlc && tar xJf .devkernels/kernels.tar.xz -C /tmp/tlc && export TILELANG_CACHE_DIR=/tmp/tlc
-  export FLASHQLA_TEST_PREBUILT=${FLASHQLA_TEST_PREBUILT:-/tmp/tlc}
-else
-  export TILELANG_CACHE_DIR=${TILELANG_CACHE_DIR:-$PWD/.tilelang_cache}
-fi
-# the peers' TileLang kernels built on the CPU machine (benchmarks/peer_cache/: FlashQLA 0.1.3's
-# fqla_cache, FLA 0.6.0's fla_cache), when carried in .devpeer
-for peer in .devpeer/*_cache.tar.xz; do
-  [[ -f $peer ]] || continue
-  name=$(basename "$peer" .tar.xz)
-  tar xJf "$peer" -C /tmp && cp -r "/tmp/$name/." "$TILELANG_CACHE_DIR"/
-done
-# FLA 0.6.0's Triton kernels built on the CPU machine (benchmarks/peer_cache/fla_triton_precompile.py), where it
-# built them: their group files hold absolute paths
-if [[ -f .devpeer/fla_triton.tar.xz ]]; then
-  tar xJf .devpeer/fla_triton.tar.xz -C /tmp && export TRITON_CACHE_DIR=/tmp/fla_triton_cache
-fi
-python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >"$OUT/pip.log" 2>&1 || { cat "$OUT/pip.log"; exit 1; }
+source scripts/device_setup.sh || exit 1
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv | tee "$OUT/gpu.txt"
 
 if runs tests; then
