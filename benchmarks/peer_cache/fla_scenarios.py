@@ -46,20 +46,39 @@ def _fwd_bwd(o, fill):
     o.backward(torch.randn_like(o) if fill else torch.empty_like(o))
 
 
+def cp_inputs(p, T, device, fill=False):
+    """bench_cp's shard of rank `rank` (T // world tokens; the one-rank baseline: the whole sequence) as bench_cp
+    inputs() + shard() make it: q, k, v, beta bf16, g float32, contiguous, requires_grad (values only with fill)."""
+    x = make_inputs(T // p["world"], p["Hqk"], p["Hv"], device)
+    if fill:
+        fill_model_like(x)
+    return x
+
+
+def cp_step(p, T, x, device, group, exact_backward=True):
+    """bench_cp make_fla + step on this rank (inside FakeDist(world, rank) or a real group of that size): the
+    context from the global cu_seqlens [0, T], its "fwd" step (grad enabled, no backward), then its "fwd+bwd" step,
+    o.float().sum().backward(). exact_backward=False: o.backward() with the gradient that one produces (bf16 ones,
+    made contiguous by FLA's input_guard) without the fp32 copy of o (CPU memory at 1M tokens)."""
+    import torch.distributed as dist
+    from fla.ops.cp import build_cp_context
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    assert (dist.get_world_size(group), dist.get_rank(group)) == (p["world"], p["rank"])
+    cu = torch.tensor([0, T], dtype=torch.int32, device=device)
+    ctx = build_cp_context(cu.long(), group=group, cu_seqlens_cpu=cu.long().cpu())
+    chunk_gated_delta_rule(**x, cp_context=ctx)
+    o = chunk_gated_delta_rule(**x, cp_context=ctx)[0]
+    if exact_backward:
+        o.float().sum().backward()
+    else:
+        o.backward(torch.ones((), dtype=o.dtype, device=o.device).expand(o.shape))
+
+
 def run(kind, p, device, group=None, fill=False):
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
     if kind == "cp":
-        from fla.ops.cp import build_cp_context
-        T, world = p["T"], p["world"]
-        cu = torch.tensor([0, T], dtype=torch.int32, device=device)
-        ctx = build_cp_context(cu.long(), group=group, cu_seqlens_cpu=cu.long().cpu())
-        x = make_inputs(T // world, p["Hqk"], p["Hv"], device)
-        if fill:
-            fill_model_like(x)
-        chunk_gated_delta_rule(**x, cp_context=ctx)          # bench_cp "fwd": grad enabled, no backward
-        o, _ = chunk_gated_delta_rule(**x, cp_context=ctx)
-        _fwd_bwd(o, fill)
+        cp_step(p, p["T"], cp_inputs(p, p["T"], device, fill), device, group)
         return
     if kind == "plain":
         T = p["T"]

@@ -54,8 +54,8 @@ def check_group(group, only, out, cp_mode="real"):
     os.environ["FLA_DISABLE_BACKEND_DISPATCH"] = GROUP_DISPATCH[group]
     import torch
     import triton
-    from fla_triton_precompile import (CompileTracker, cp_inputs, cp_tokens, key_components, run_cp, run_scenario,
-                                       scenarios)
+    from fla_scenarios import cp_inputs, cp_step
+    from fla_triton_precompile import CompileTracker, cp_tokens, key_components, run_scenario, scenarios
     tracker = CompileTracker(log=lambda s: print(s, flush=True)).install()
     from triton.runtime import build
     gcc = []                                    # C launchers / cuda_utils not in the cache: built with gcc here
@@ -92,7 +92,7 @@ def check_group(group, only, out, cp_mode="real"):
             if group == "cp":
                 import fla_scenarios as S
                 with S.FakeDist(p["world"], p["rank"]) as fd:
-                    run_cp(p, T, inputs, dev, fd.group)
+                    cp_step(p, T, inputs, dev, fd.group)
             else:
                 run_scenario(group, p, inputs)
             torch.cuda.synchronize()

@@ -66,48 +66,14 @@ def scenarios():
                 out.append((f"bwd Hqk={Hqk} Hv={Hv} T={T} seqs={T // n}x{n}", "bwd",
                             dict(Hqk=Hqk, Hv=Hv, seqs=[T // n] * n)))
     sys.path.insert(0, HERE)
-    from fla_scenarios import CP_HEADS, CP_TOKENS, CP_WORLDS   # bench_cp's defaults (--tokens, --heads), 2 ranks
-    for T in CP_TOKENS:
-        for Hv in CP_HEADS:
-            for world, rank in CP_WORLDS:
-                out.append((f"cp world={world} rank={rank} Hqk={Hv // 2} Hv={Hv} T={T}", "cp",
-                            dict(Hqk=Hv // 2, Hv=Hv, T=T, world=world, rank=rank)))
+    from fla_scenarios import scenarios as fla_scenarios   # bench_cp's defaults (--tokens, --heads), 2 ranks
+    out += [(label, kind, p) for label, kind, p in fla_scenarios() if kind == "cp"]
     return out
 
 
 def cp_tokens(p, mode):
     """The token count a cp scenario runs at: bench_cp's ("real") or CP_SMALL_T ("small")."""
     return p["T"] if mode == "real" else CP_SMALL_T
-
-
-def cp_inputs(p, T, device, fill=False):
-    """bench_cp's shard of rank `rank` (T // world tokens; the one-rank baseline: the whole sequence) as bench_cp
-    inputs() + shard() make it: q, k, v, beta bf16, g float32, contiguous, requires_grad (values only on the GPU)."""
-    import fla_scenarios as S
-    x = S.make_inputs(T // p["world"], p["Hqk"], p["Hv"], device)
-    if fill:
-        S.fill_model_like(x)
-    return x
-
-
-def run_cp(p, T, x, device, group, exact_backward=True):
-    """bench_cp make_fla + step on this rank (call inside fla_scenarios.FakeDist(world, rank) or a real group of
-    that size): the context from the global cu_seqlens [0, T], then its "fwd" step (grad enabled, no backward), then
-    its "fwd+bwd" step, o.float().sum().backward(). exact_backward=False: o.backward() with the gradient that one
-    produces (bf16 ones, made contiguous by FLA's input_guard) without the fp32 copy of o (CPU memory at 1M tokens)."""
-    import torch
-    import torch.distributed as dist
-    from fla.ops.cp import build_cp_context
-    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
-    assert (dist.get_world_size(group), dist.get_rank(group)) == (p["world"], p["rank"])
-    cu = torch.tensor([0, T], dtype=torch.int32, device=device)
-    ctx = build_cp_context(cu.long(), group=group, cu_seqlens_cpu=cu.long().cpu())
-    chunk_gated_delta_rule(**x, cp_context=ctx)
-    o = chunk_gated_delta_rule(**x, cp_context=ctx)[0]
-    if exact_backward:
-        o.float().sum().backward()
-    else:
-        o.backward(torch.ones((), dtype=o.dtype, device=o.device).expand(o.shape))
 
 
 def cpu_inputs(Hqk, Hv, lengths):
@@ -323,9 +289,9 @@ def worker(args):
                 if group == "cp":
                     import fla_scenarios as S
                     T = cp_tokens(p, args.cp_tokens)
-                    x = cp_inputs(p, T, "cpu")
+                    x = S.cp_inputs(p, T, "cpu")
                     with S.FakeDist(p["world"], p["rank"]) as fd:
-                        run_cp(p, T, x, "cpu", fd.group, exact_backward=T == CP_SMALL_T)
+                        S.cp_step(p, T, x, "cpu", fd.group, exact_backward=T == CP_SMALL_T)
                     del x
                 else:
                     run_scenario(group, p, cpu_inputs(p["Hqk"], p["Hv"], p["seqs"]))
