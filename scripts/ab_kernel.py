@@ -21,11 +21,10 @@
 KERNEL names `launch.compiled_<KERNEL>`, the builder's arguments (integers, True/False, strings) are its
 build arguments. For every config (Hqk:Hv:tokens-per-sequence x sequences, bench_gdn's model-like inputs),
 one fwd+bwd of the public op records the first launch of KERNEL with those build arguments (or the
---launch-index'th); the committed
-kernel and the variant then run on their own copies of its tensors. The outputs are the tensors the
-committed kernel changes; both runs start with them NaN-filled, so memory one of them leaves unwritten
-shows as a count of positions where exactly one is NaN. Prints, per config, both times (CUDA-graph
-medians, on a GPU) and the relative L2 difference of every output. This is how kernel variants are judged
+--launch-index'th); the committed kernel and the variant then run on their own copies of its tensors. The
+outputs are the tensors the committed kernel changes; both runs start with them NaN-filled, so memory one
+of them leaves unwritten shows as a count of positions where exactly one is NaN. Prints, per config, both
+times (CUDA-graph medians, on a GPU) and the relative L2 difference of every output. This is how kernel variants are judged
 (docs/kernels.md, "Checking on the H200"): outputs and time side by side, in one process.
 """
 from __future__ import annotations
