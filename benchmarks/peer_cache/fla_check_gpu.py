@@ -61,11 +61,7 @@ def main():
         t0 = time.time()
         err = None
         try:
-            if kind == "cp":
-                with S.FakeDist(p["world"], p["rank"]) as fd:
-                    S.run(kind, p, dev, fd.group, fill=True)
-            else:
-                S.run(kind, p, dev, fill=True)
+            S.run(kind, p, dev, fill=True)
             torch.cuda.synchronize()
         except CompileRefused as exc:
             err = str(exc)

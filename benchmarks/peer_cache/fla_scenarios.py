@@ -55,30 +55,29 @@ def cp_inputs(p, T, device, fill=False):
     return x
 
 
-def cp_step(p, T, x, device, group, exact_backward=True):
-    """bench_cp make_fla + step on this rank (inside FakeDist(world, rank) or a real group of that size): the
-    context from the global cu_seqlens [0, T], its "fwd" step (grad enabled, no backward), then its "fwd+bwd" step,
+def cp_step(p, T, x, device, exact_backward=True):
+    """bench_cp make_fla + step on rank `rank` of `world`, one process playing it through FakeDist: the context
+    from the global cu_seqlens [0, T], its "fwd" step (grad enabled, no backward), then its "fwd+bwd" step,
     o.float().sum().backward(). exact_backward=False: o.backward() with the gradient that one produces (bf16 ones,
     made contiguous by FLA's input_guard) without the fp32 copy of o (CPU memory at 1M tokens)."""
-    import torch.distributed as dist
     from fla.ops.cp import build_cp_context
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
-    assert (dist.get_world_size(group), dist.get_rank(group)) == (p["world"], p["rank"])
-    cu = torch.tensor([0, T], dtype=torch.int32, device=device)
-    ctx = build_cp_context(cu.long(), group=group, cu_seqlens_cpu=cu.long().cpu())
-    chunk_gated_delta_rule(**x, cp_context=ctx)
-    o = chunk_gated_delta_rule(**x, cp_context=ctx)[0]
-    if exact_backward:
-        o.float().sum().backward()
-    else:
-        o.backward(torch.ones((), dtype=o.dtype, device=o.device).expand(o.shape))
+    with FakeDist(p["world"], p["rank"]) as fd:
+        cu = torch.tensor([0, T], dtype=torch.int32, device=device)
+        ctx = build_cp_context(cu.long(), group=fd.group, cu_seqlens_cpu=cu.long().cpu())
+        chunk_gated_delta_rule(**x, cp_context=ctx)
+        o = chunk_gated_delta_rule(**x, cp_context=ctx)[0]
+        if exact_backward:
+            o.float().sum().backward()
+        else:
+            o.backward(torch.ones((), dtype=o.dtype, device=o.device).expand(o.shape))
 
 
-def run(kind, p, device, group=None, fill=False):
+def run(kind, p, device, fill=False):
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
     if kind == "cp":
-        cp_step(p, p["T"], cp_inputs(p, p["T"], device, fill), device, group)
+        cp_step(p, p["T"], cp_inputs(p, p["T"], device, fill), device)
         return
     if kind == "plain":
         T = p["T"]

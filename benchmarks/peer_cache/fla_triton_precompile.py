@@ -290,8 +290,7 @@ def worker(args):
                     import fla_scenarios as S
                     T = cp_tokens(p, args.cp_tokens)
                     x = S.cp_inputs(p, T, "cpu")
-                    with S.FakeDist(p["world"], p["rank"]) as fd:
-                        S.cp_step(p, T, x, "cpu", fd.group, exact_backward=T == CP_SMALL_T)
+                    S.cp_step(p, T, x, "cpu", exact_backward=T == CP_SMALL_T)
                     del x
                 else:
                     run_scenario(group, p, cpu_inputs(p["Hqk"], p["Hv"], p["seqs"]))
