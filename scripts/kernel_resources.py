@@ -7,7 +7,8 @@
 The first argument is a module of flashqla.kernels.hopper or a file holding a variant of one; the rest is
 the builder and its arguments (integers where they look like integers). Prints the registers per thread
 (read from the cubin TileLang wrote), the dynamic shared memory and where each shared buffer starts
-(TileLang's planner lays buffers with disjoint lifetimes over each other), ptxas's spill stores and loads,
+(TileLang's planner lays buffers with disjoint lifetimes over each other), ptxas's spill stores and loads and
+its wgmma serialisation (every product waited for as soon as issued),
 the 64-bit integer divisions in the PTX (each a call of a division routine in SASS), the barriers inside
 fully unrolled loops (one per step of an elementwise pass),
 how many CTAs of it fit on one H200 SM by registers and by shared memory (the occupancy Nsight Compute would
@@ -153,7 +154,8 @@ def cubin_registers(path: str) -> int | None:
 
 
 def ptxas_report(compile_kernel):
-    """compile_kernel() with ptxas --verbose; returns ptxas's spill lines (nvcc's output TileLang captures)."""
+    """compile_kernel() with nvcc's output recorded (TileLang captures it and keeps it only on failure); returns
+    the kernel and ptxas's spill and wgmma-serialisation lines."""
     import subprocess
     import types
 
@@ -164,7 +166,9 @@ def ptxas_report(compile_kernel):
     class Recording(subprocess.Popen):
         def communicate(self, *args, **kwargs):
             out, err = super().communicate(*args, **kwargs)
-            lines.extend(line for line in (out or b"").decode(errors="replace").splitlines() if "spill" in line)
+            for stream in (out, err):
+                lines.extend(line for line in (stream or b"").decode(errors="replace").splitlines()
+                             if "spill" in line or WGMMA_SERIALISED in line)
             return out, err
 
     nvcc.subprocess = types.SimpleNamespace(**{**vars(subprocess), "Popen": Recording})  # for nvcc.py alone
@@ -172,6 +176,29 @@ def ptxas_report(compile_kernel):
         return compile_kernel(), lines
     finally:
         nvcc.subprocess = subprocess
+
+
+# ptxas's message (C7514 and its siblings, "Potential Performance Loss") when it cannot prove that no other
+# instruction touches the registers of an asynchronous product in flight: it then waits for every wgmma right
+# after issuing it, a slower kernel and no error. Seen when a product stays in flight across a loop's back edge
+# while the next iteration waits with wait_group 1 (docs/kernels.md, "Thirty-sixth session").
+WGMMA_SERIALISED = "wgmma.mma_async instructions are serialized"
+
+
+def wgmma_serialisation(prim_func) -> list[str]:
+    """ptxas's wgmma-serialisation messages for `prim_func`, compiled for sm_90a afresh (TileLang's cache is
+    off for the call: an entry loaded from the cache runs no nvcc)."""
+    import tilelang
+
+    from flashqla.kernels.hopper import launch
+
+    tilelang.disable_cache()
+    try:
+        _, lines = ptxas_report(lambda: tilelang.compile(prim_func, target=launch.TARGET,
+                                                         pass_configs=launch._pass_configs()))
+    finally:
+        tilelang.enable_cache()
+    return [line.strip() for line in lines if WGMMA_SERIALISED in line]
 
 
 def main():
@@ -194,7 +221,7 @@ def main():
         os.makedirs(keep)
         configs = {**launch._pass_configs(),
                    "tl.device_compile_flags": ["--ptxas-options=--verbose", "--keep", f"--keep-dir={keep}"]}
-        kernel, spills = ptxas_report(lambda: tilelang.compile(prim_func, target=launch.TARGET, pass_configs=configs))
+        kernel, messages = ptxas_report(lambda: tilelang.compile(prim_func, target=launch.TARGET, pass_configs=configs))
         source = kernel.get_kernel_source()
         threads = [int(x) for x in re.findall(r"__launch_bounds__\((\d+)", source)[:1]] or [0]
         ptx = "".join(open(p).read() for p in glob.glob(f"{keep}/*.ptx"))
@@ -209,8 +236,8 @@ def main():
     print(f"{target}.{builder}{tuple(args)}: {threads[0]} threads")
     print(f"  registers per thread: {registers if registers is not None else 'n/a (no cubin record)'}")
     print(f"  dynamic shared memory: {shared} bytes ({shared / 1024:.2f} KiB)")
-    for line in spills:
-        print(f"  ptxas: {line.strip()}")
+    for line in messages:
+        print(f"  ptxas: {line.strip()}" if "spill" in line else f"  ptxas SERIALISES EVERY WGMMA: {line.strip()}")
     for name, offset in sorted(layout, key=lambda item: int(item[1])):
         print(f"    {int(offset):7d}  {name}")
     limits = {"shared memory": SHARED_PER_SM // (shared + SHARED_RESERVED_PER_CTA) if shared else None,

@@ -7,6 +7,8 @@ import importlib
 import os
 import shutil
 import sys
+from concurrent.futures import ProcessPoolExecutor
+from multiprocessing import get_context
 
 import pytest
 
@@ -17,7 +19,7 @@ from flashqla.kernels.hopper import launch  # noqa: E402
 from parallel_compile import compile_all  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
-from kernel_resources import barrier_hazards, barriers_in_unrolled_loops  # noqa: E402
+from kernel_resources import barrier_hazards, barriers_in_unrolled_loops, wgmma_serialisation  # noqa: E402
 
 CONFIGS = list(launch.kernel_configs())
 
@@ -65,6 +67,78 @@ def assert_warp_specialised(source):
     used = {int(i) for i in re.findall(r"__sync_thread_partial\((\d+),", source)}
     assert used & explicit, "the kernel's own named barriers are missing"
     assert max(used - explicit) < min(explicit), f"TileLang's named barriers {sorted(used - explicit)} reach ours"
+
+
+# the kernels whose products stay in flight past other work (asynchronous WGMMA with wait_group n > 0 or
+# across a loop's back edge), at the tiles dispatch takes
+PIPELINED = [("fused_fwd", "build_fused_fwd", ("bfloat16", 32)), ("fused_fwd", "build_fused_fwd", ("bfloat16", 128)),
+             ("chunk_dstates", "build_chunk_dstates", ("bfloat16", 32)),
+             ("chunk_dstates", "build_chunk_dstates", ("bfloat16", 128)),
+             ("chunk_states", "build_chunk_states", ("bfloat16", 128)),
+             ("chunk_bwd_local", "build_chunk_bwd_local", ("bfloat16",))]
+
+
+def _serialisation_of(module, builder, args):
+    """A spawned process: ptxas's wgmma-serialisation messages for one kernel, compiled afresh."""
+    import tilelang
+
+    tilelang.set_log_level("WARNING")
+    return wgmma_serialisation(getattr(importlib.import_module(f"flashqla.kernels.hopper.{module}"), builder)(*args))
+
+
+def test_ptxas_keeps_every_walk_pipelined():
+    """ptxas serialises every wgmma of a kernel when it cannot prove that no other instruction touches an
+    in-flight product's registers: a slower kernel and no error (docs/kernels.md, "Thirty-sixth session")."""
+    with ProcessPoolExecutor(max_workers=min(len(PIPELINED), os.cpu_count() or 1),
+                             mp_context=get_context("spawn")) as pool:
+        messages = list(pool.map(_serialisation_of, *zip(*PIPELINED)))
+    serialised = {f"{module}{args}": found for (module, _, args), found in zip(PIPELINED, messages) if found}
+    assert not serialised, serialised
+
+
+def _pipeline_across_the_back_edge(cross: bool):
+    """Two products a step, the first one's accumulator read after wait_group 1 while the second runs; with
+    `cross` the first product of the next step is issued at the end of this one, in flight across the loop's
+    back edge (what ptxas cannot follow)."""
+    import tilelang.language as T
+
+    @T.prim_func
+    def pipeline(A: T.Tensor((64, 64), "bfloat16"), B: T.Tensor((64, 64), "bfloat16"),
+                 C: T.Tensor((64, 64), "float32"), steps: T.int32):
+        with T.Kernel(1, threads=128):
+            A_s = T.alloc_shared((64, 64), "bfloat16")
+            B_s = T.alloc_shared((64, 64), "bfloat16")
+            first = T.alloc_fragment((64, 64), "float32")
+            second = T.alloc_fragment((64, 64), "float32")
+            first_a = T.alloc_fragment((64, 64), "bfloat16")
+            T.copy(A, A_s)
+            T.copy(B, B_s)
+            T.clear(second)
+            if cross:
+                T.wgmma_gemm(A_s, B_s, first, transpose_B=True, clear_accum=True)
+            for i in T.serial(steps):
+                if not cross:
+                    T.wgmma_gemm(A_s, B_s, first, transpose_B=True, clear_accum=True)
+                T.wgmma_gemm(A_s, B_s, second, transpose_B=True)
+                T.wait_wgmma(1)
+                T.warpgroup_fence_operand(first, num_regs=32)
+                T.copy(first, first_a)
+                T.wgmma_gemm(first_a, B_s, second, transpose_B=True)
+                T.wait_wgmma(0)
+                T.warpgroup_fence_operand(second, num_regs=32)
+                if cross:
+                    if i + 1 < steps:
+                        T.wgmma_gemm(A_s, B_s, first, transpose_B=True, clear_accum=True)
+            T.copy(second, C)
+
+    return pipeline
+
+
+def test_serialisation_check_sees_a_product_in_flight_across_the_back_edge():
+    """The check above can fail: the pattern found in a reverse-walk variant (the thirty-sixth session's
+    `dstates_wu`) serialises, the same products issued within the step do not."""
+    assert any("C7514" in line for line in wgmma_serialisation(_pipeline_across_the_back_edge(cross=True)))
+    assert wgmma_serialisation(_pipeline_across_the_back_edge(cross=False)) == []
 
 
 def test_segment_chain_tiles_fill_one_wave_then_widen():
