@@ -90,7 +90,10 @@ def seed(prebuilt: Path, cache: Path) -> int:
 
     Each copy is staged under `<namespace>/.staging/` (TileLang's staging root, same filesystem, whose
     leftovers TileLang removes after an hour) and published by one rename; when another process
-    publishes the same entry first, the rename fails and this copy is dropped.
+    publishes the same entry first, the rename fails and this copy is dropped. The copy goes one level
+    below a directory made now: copytree gives a directory its source's timestamps, and a prebuilt entry is
+    usually older than an hour, so a staged copy at the top would look stale to the cleanup a process
+    starting beside this one runs, which would delete it before its rename.
     """
     copied = 0
     for index in prebuilt.glob(f"*/*/{INDEX_DIR}/*.json.gz"):
@@ -106,8 +109,9 @@ def seed(prebuilt: Path, cache: Path) -> int:
         target.parent.mkdir(parents=True, exist_ok=True)
         staging = staging_root / f"flashqla-{target.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         try:
-            shutil.copytree(source, staging)
-            os.rename(staging, target)
+            staging.mkdir()
+            shutil.copytree(source, staging / target.name)
+            os.rename(staging / target.name, target)
             copied += 1
         except OSError:
             if not target.exists():  # not a lost race: a real failure
