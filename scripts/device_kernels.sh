@@ -4,8 +4,8 @@
 # carried; logs go to $OUT. Usage: scripts/device_kernels.sh MODES [extra bench_gdn.py arguments...], MODES one of
 # tests|cold|bench|bwd|profile|layer|walks|ab|flacheck|all or several comma-separated (e.g. ab,tests; all leaves out ab)
 #   ab:    scripts/ab_kernel.py run $AB_ARGS: a kernel variant against the committed kernel, outputs and time side by
-#          side; the variant's TileLang cache, built here with `ab_kernel.py compile ... --cache .devvar/cache`, is
-#          merged into the kernels' cache when .devvar is carried
+#          side; the variant's TileLang cache, built here with `ab_kernel.py compile ... --cache DIR` and carried
+#          in .devvar (cache.tar.xz, or the folder cache/), is merged into the kernels' cache (device_setup.sh)
 #   tests: tests/gpu (first-call latency only with TESTS_FIRST_CALL=1: it JIT-compiles in fresh processes for minutes)
 #   bench: bench_gdn.py (pass e.g. --cp-sweep 32,64,128,256 --flashqla-configs none)
 #   profile: profile_gdn.py step (PROFILE_ARGS) and first-call in a fresh process on an empty cache
@@ -89,7 +89,6 @@ if runs walks; then
 fi
 
 if runs ab; then
-  [[ -d .devvar/cache ]] && cp -r .devvar/cache/. "$TILELANG_CACHE_DIR"/
   # AB_ARGS unquoted on purpose: it is the argument list of `ab_kernel.py run`
   # shellcheck disable=SC2086
   timeout -k 20 "${AB_TIMEOUT:-400}" python3 scripts/ab_kernel.py run ${AB_ARGS:?AB_ARGS: KERNEL VARIANT BUILDER ARGS... [--configs ...]} \

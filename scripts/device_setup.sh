@@ -8,6 +8,9 @@
 #                                fqla_cache, FLA 0.6.0's fla_cache), merged into the same cache
 #   .devpeer/fla_triton.tar.xz   FLA 0.6.0's Triton kernels (benchmarks/peer_cache/fla_triton_precompile.py),
 #                                unpacked where they were built: their group files hold absolute paths
+#   .devvar/cache.tar.xz         kernel variants built with `ab_kernel.py compile ... --cache DIR` and packed
+#                                (tar cJf over DIR: its top folder is dropped), or .devvar/cache/ unpacked, merged
+#                                into the same cache for `ab_kernel.py run`
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT" /tmp/s
 tar xJf .devsite/site.tar.xz -C /tmp/s || return 1
@@ -23,6 +26,11 @@ for peer in .devpeer/*_cache.tar.xz; do
   name=$(basename "$peer" .tar.xz)
   tar xJf "$peer" -C /tmp && cp -r "/tmp/$name/." "$TILELANG_CACHE_DIR"/
 done
+if [[ -f .devvar/cache.tar.xz ]]; then
+  tar xJf .devvar/cache.tar.xz -C "$TILELANG_CACHE_DIR" --strip-components=1 || return 1
+elif [[ -d .devvar/cache ]]; then
+  cp -r .devvar/cache/. "$TILELANG_CACHE_DIR"/
+fi
 if [[ -f .devpeer/fla_triton.tar.xz ]]; then
   tar xJf .devpeer/fla_triton.tar.xz -C /tmp && export TRITON_CACHE_DIR=/tmp/fla_triton_cache
 fi

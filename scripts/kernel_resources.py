@@ -187,17 +187,20 @@ WGMMA_SERIALISED = "wgmma.mma_async instructions are serialized"
 
 def wgmma_serialisation(prim_func) -> list[str]:
     """ptxas's wgmma-serialisation messages for `prim_func`, compiled for sm_90a afresh (TileLang's cache is
-    off for the call: an entry loaded from the cache runs no nvcc)."""
+    off for the call: an entry loaded from the cache runs no nvcc; its state is restored after)."""
     import tilelang
+    from tilelang.env import env
 
     from flashqla.kernels.hopper import launch
 
+    cache_was_on = env.is_cache_enabled()
     tilelang.disable_cache()
     try:
         _, lines = ptxas_report(lambda: tilelang.compile(prim_func, target=launch.TARGET,
                                                          pass_configs=launch._pass_configs()))
     finally:
-        tilelang.enable_cache()
+        if cache_was_on:
+            tilelang.enable_cache()
     return [line.strip() for line in lines if WGMMA_SERIALISED in line]
 
 
