@@ -35,8 +35,9 @@ keeps it for this kernel, and every A term above has an exact GA form, see the d
 (natural log, converted to base 2 once, for exp2), the per-chunk states h and state gradients dh at chunk
 slots (fused_fwd's state recompute, chunk_dstates). An item finds its sequence by binary search in
 `chunk_offsets` as wy_inverse does; in a partial last chunk the rows past the sequence end are zeroed after
-loading (they hold the next sequence) and their gates repeat the last one, which is exactly the zero padding
-of the reference's chunk grid. Outputs, rows that exist only: dq, dk, dv per v-head in the input dtype (the
+loading (they hold the next sequence), each tile by the warpgroup that reads it first (K, V, GA: values; Q,
+dO: gradients), and their gates repeat the last one, which is exactly the zero padding of the reference's
+chunk grid. Outputs, rows that exist only: dq, dk, dv per v-head in the input dtype (the
 caller sums dq and dk over GQA groups, accumulating in fp32), dg [Hv, T] and dbeta in fp32. dq, dk and dv
 leave through shared memory (dq and dk through V_new's tile once both products that read it are done, dv
 through the tile that holds it for dk's last term), 16 bytes per thread and store.
@@ -46,11 +47,20 @@ item of the real chunks (chunk fastest), so that the next item's tiles load whil
 tile arrives by TMA on its own mbarrier, requested by the warpgroup that reads it last as soon as it is done
 with it: K into a second buffer at the item's start, Q, dS and dO once dq has left, V and GA near the end of
 the values chain, S after dVd S^T; the gates by plain loads early in the values chain, into a second buffer.
+
+The warpgroups meet only on mbarriers, never on a CTA-wide barrier inside the loop, so they may be an item
+apart: the values warpgroup starts item i + 1 (K S, K dS, V_new) once it has handed G over, while the
+gradients warpgroup ends item i (G K, G^T K, dk's exit, and the dg scan, which it runs alone, as the values
+warpgroup stores dbeta alone). Nothing the values warpgroup writes early in item i + 1 is still read for item
+i: the tiles it writes first (Vn_s, dVn_s, sP_s, G_s) it writes after sp_ready of i + 1, which the gradients
+warpgroup signals only once it is done with item i; its shares of dgc, and each warpgroup's item indices and
+row decays, are kept by item parity. It never gets two items ahead (item i + 2 waits for sp_ready of i + 1).
 Two TileLang traps shaped the loop (docs/kernels.md, "Twenty-ninth session"): per-item indices are locals
-(`T.alloc_var`) or read from `work_sh` (an expression such as `item // num_chunks` is inlined into every
-index, in int64, as a call to the 64-bit division routine), and the stores that scale a tile by beta read it
-from registers (`beta_rows`: read from shared memory there, the storage-sync pass put a barrier inside every
-iteration of those loops).
+(`T.alloc_var`) or read from the warpgroup's `work_v` / `work_g` (an expression such as `item // num_chunks`
+is inlined into every index, in int64, as a call to the 64-bit division routine), and the stores that scale a
+tile by beta read it from registers (`beta_rows`: read from shared memory there, the storage-sync pass put a
+barrier inside every iteration of those loops). A third: TileLang's `T.cumsum` runs on the CTA's first warp
+whatever branch calls it, so the dg scan inside the gradients warpgroup is a masked row sum of a fragment.
 
 The kernel reads dO itself: every product with dO feeds an elementwise fp32 step (the Gamma mask, the
 gamma rows, E_P), where `scale` is applied, so no scaled copy of dO is made. The term rowsum(dOs o diag(gamma)
@@ -60,13 +70,13 @@ Warp-specialised: two warpgroups, each issuing whole m64 products (asynchronous 
 meeting only where one reads the other's tile (mbarriers, one phase each):
 
   | warpgroup  | products                                        | hands over                            |
-  | values     | K S, GA Vd (V_new), K dS + P^T dOs (dV_new),    | V_new, dVd (= dv), G = diag(beta) dL; |
-  |            | GA^T dV_new, dV_new Vd^T, K K^T, the two dL     | frees dO's tile after dV_new          |
-  |            | products; dbeta, gamma_last <S, dS>, dv; the    |                                       |
+  | values     | K S, GA Vd (V_new), K dS + P^T dOs (dV_new),    | K (zero-padded), V_new, dVd (= dv),   |
+  |            | GA^T dV_new, dV_new Vd^T, K K^T, the two dL     | G = diag(beta) dL, its shares of dgc; |
+  |            | products; dbeta, gamma_last <S, dS>, dv; the    | frees dO's tile after dV_new          |
   |            | V_new and dX shares of dgc                      |                                       |
   | gradients  | Q K^T (P, E_P), dO S^T (dq), dO V_new^T (dP),   | scale P (for dV_new)                  |
   |            | V_new dS^T, (dP o Gamma) K, (dP o Gamma)^T Q,   |                                       |
-  |            | dVd S^T, G K, G^T K; dq, dk, F                  |                                       |
+  |            | dVd S^T, G K, G^T K; dq, dk, F, dg              |                                       |
 
 H200, against the previous kernel (the two warpgroups splitting every product by columns, a CTA-wide barrier
 between stages; 2026-12-02): 2175 -> 2035 us at (16, 32) x 4K x 8, 2179 -> 1994 at 32K x 1, 554 -> 503 at
@@ -124,6 +134,27 @@ def build_chunk_bwd_local(dtype: str):
             gc_sh[buf, r] = gcum[hv, t0 + T.min(r, last)] * LOG2E
             beta_sh[buf, r] = T.if_then_else(r < n_rows, beta[t0 + T.min(r, last), hv], 0.0)
 
+    @T.macro
+    def begin_item(work, gam, tail, gc_sh, buf, barrier, item, nitem, num_chunks, group, t0, n_rows, nt0, nn_rows):
+        """A warpgroup's start of an item: this item's and the next one's indices into the warpgroup's copy (every
+        thread writes the same values), and the row decays once per row. Returns this item's (t0, rows, v-head)
+        and the next one's (t0, v-head, chunk slot, k-head, rows), read from that copy where used."""
+        work[buf, 0] = t0
+        work[buf, 1] = n_rows
+        work[buf, 2] = item // num_chunks
+        work[buf, 3] = nt0
+        work[buf, 4] = nitem // num_chunks
+        work[buf, 5] = nitem % num_chunks
+        work[buf, 6] = nitem // num_chunks // group
+        work[buf, 7] = nn_rows
+        T.sync_threads(barrier, WG)
+        for r in T.Parallel(C):
+            gam[buf, r] = T.exp2(gc_sh[buf, r])
+            tail[buf, r] = T.exp2(gc_sh[buf, C - 1] - gc_sh[buf, r])
+        T.sync_threads(barrier, WG)
+        return (work[buf, 0], work[buf, 1], work[buf, 2],
+                work[buf, 3], work[buf, 4], work[buf, 5], work[buf, 6], work[buf, 7])
+
     @T.prim_func
     def chunk_bwd_local(
         q: T.Tensor((num_tokens, num_qk_heads, D), dtype),
@@ -162,15 +193,20 @@ def build_chunk_bwd_local(dtype: str):
             G_s = T.alloc_shared((C, C), dtype)  # values: GA^T Lower(dGamma_A), then G (-> gradients)
             dPG_s = T.alloc_shared((C, C), dtype)  # gradients: dP o Gamma
             gc_sh = T.alloc_shared((2, C), "float32")  # by item parity, like K
-            work_sh = T.alloc_shared((2, 8), "int32")  # by item parity: t0, rows, v-head; the next item's t0, v-head, slot
             beta_sh = T.alloc_shared((2, C), "float32")
-            gam_sh = T.alloc_shared((C,), "float32")  # gamma of each row
-            tail_sh = T.alloc_shared((C,), "float32")  # gamma_last / gamma of each row
+            # each warpgroup's own copy, by item parity (the two may be an item apart): t0, rows, v-head; the
+            # next item's t0, v-head, slot, k-head, rows; gamma and gamma_last / gamma of each row
+            work_v = T.alloc_shared((2, 8), "int32")
+            work_g = T.alloc_shared((2, 8), "int32")
+            gam_v = T.alloc_shared((2, C), "float32")
+            gam_g = T.alloc_shared((2, C), "float32")
+            tail_v = T.alloc_shared((2, C), "float32")
+            tail_g = T.alloc_shared((2, C), "float32")
             F_sh = T.alloc_shared((C,), "float32")
             dg_sh = T.alloc_shared((2 * C,), "float32")  # dgc by row, then the shares every row's dg gets
-            # shares of dgc by row: rowsum E_P, (gamma Q S) o dOs, the V_new o dV_new difference, K o dVd S^T,
-            # gamma_last <S, dS> (the last row's), dX o diag(beta) Vd; of dbeta: dX o Vd, dL o K K^T
-            dgc_part = T.alloc_shared((6, C), "float32")
+            # shares of dgc by row, by item parity: rowsum E_P, (gamma Q S) o dOs, the V_new o dV_new difference,
+            # K o dVd S^T, gamma_last <S, dS> (the last row's), dX o diag(beta) Vd; of dbeta: dX o Vd, dL o K K^T
+            dgc_part = T.alloc_shared((2, 6, C), "float32")
             dbeta_part = T.alloc_shared((2, C), "float32")
 
             # the values warpgroup's fragments
@@ -205,6 +241,7 @@ def build_chunk_bwd_local(dtype: str):
             do_free = T.alloc_barrier(arrive_count=WG)  # the values warpgroup has read dO
             g_ready = T.alloc_barrier(arrive_count=WG)  # G in G_s
             dvd_ready = T.alloc_barrier(arrive_count=WG)  # dVd in dVn_s
+            k_ready = T.alloc_barrier(arrive_count=WG)  # K landed, its rows past the sequence end zeroed
             # a tile of an item has arrived (TMA bytes and the arrivals of the warpgroup that issued it)
             q_full = T.alloc_barrier(arrive_count=WG)
             k_full = T.alloc_barrier(arrive_count=[WG, WG])
@@ -244,6 +281,7 @@ def build_chunk_bwd_local(dtype: str):
                     T.barrier_arrive(k_full[0])
                     T.barrier_arrive(ds_full)
                     T.barrier_arrive(do_full)
+            T.sync_threads()  # the first item's gates; from here on the warpgroups meet only on mbarriers
 
             for it in T.serial(my_items):
                 buf = it % 2
@@ -251,47 +289,31 @@ def build_chunk_bwd_local(dtype: str):
                 kpar = (it // 2) % 2
                 has_next = it + 1 < my_items
                 # this item and the next (whose tiles are loaded as this item's last readers of each tile
-                # finish): computed once, kept in shared memory (by item parity), read where used
+                # finish): computed by every thread, kept in its warpgroup's shared copy, read where used
                 item = T.alloc_var("int32")
                 nitem = T.alloc_var("int32")
                 item = cta + it * num_ctas
                 nitem = item + num_ctas
                 _, t0_, n_rows_ = chunk_of_slot(cu_seqlens, chunk_offsets, num_seqs, item % num_chunks, search_steps)
                 _, nt0_, nn_rows_ = chunk_of_slot(cu_seqlens, chunk_offsets, num_seqs, nitem % num_chunks, search_steps)
-                work_sh[buf, 0] = t0_
-                work_sh[buf, 1] = n_rows_
-                work_sh[buf, 2] = item // num_chunks
-                work_sh[buf, 3] = nt0_
-                work_sh[buf, 4] = nitem // num_chunks
-                work_sh[buf, 5] = nitem % num_chunks
-                work_sh[buf, 6] = nitem // num_chunks // group
-                work_sh[buf, 7] = nn_rows_
-                T.sync_threads()  # this item's gates (written during the last item) and work_sh are visible
-                t0, n_rows, hv = work_sh[buf, 0], work_sh[buf, 1], work_sh[buf, 2]
-                nt0, nhv, nchunk, nkh = work_sh[buf, 3], work_sh[buf, 4], work_sh[buf, 5], work_sh[buf, 6]
-                for r in T.Parallel(C):  # the row decays, once per row
-                    gam_sh[r] = T.exp2(gc_sh[buf, r])
-                    tail_sh[r] = T.exp2(gc_sh[buf, C - 1] - gc_sh[buf, r])
-                if n_rows < C:  # rows past the sequence end: the reference grid's zero padding
-                    T.barrier_wait(q_full, par)
+                if tx < WG:  # values: V_new, dV_new, dv, dbeta, the dA chain to G
+                    t0, n_rows, hv, nt0, nhv, nchunk, nkh, nn_rows = begin_item(
+                        work_v, gam_v, tail_v, gc_sh, buf, VALUES_BARRIER, item, nitem, num_chunks, group,
+                        t0_, n_rows_, nt0_, nn_rows_)
                     T.barrier_wait(k_full[buf], kpar)
-                    T.barrier_wait(do_full, par)
-                    T.barrier_wait(v_full, par)
-                    T.barrier_wait(ga_full, par)
-                    for r, j in T.Parallel(C, D):
-                        if r >= n_rows:
-                            Q_s[r, j] = T.cast(0, dtype)
-                            K_s[buf, r, j] = T.cast(0, dtype)
-                            dO_s[r, j] = T.cast(0, dtype)
-                            V_s[r, j] = T.cast(0, dtype)
-                    for r, s in T.Parallel(C, C):
-                        if r >= n_rows:
-                            GA_s[r, s] = T.cast(0, dtype)
-                    T.fence_proxy_async()
-                T.sync_threads()
-
-                if tx < WG:  # values: V_new, dV_new, dv, the dA chain to G
-                    T.barrier_wait(k_full[buf], kpar)
+                    if n_rows < C:  # rows past the sequence end: the reference grid's zero padding (Q's and dO's:
+                        T.barrier_wait(v_full, par)  # the gradients warpgroup's)
+                        T.barrier_wait(ga_full, par)
+                        for r, j in T.Parallel(C, D):
+                            if r >= n_rows:
+                                K_s[buf, r, j] = T.cast(0, dtype)
+                                V_s[r, j] = T.cast(0, dtype)
+                        for r, s in T.Parallel(C, C):
+                            if r >= n_rows:
+                                GA_s[r, s] = T.cast(0, dtype)
+                        T.fence_proxy_async()
+                        T.sync_threads(VALUES_BARRIER, WG)
+                    T.barrier_arrive(k_ready)
                     T.barrier_wait(s_full, par)
                     T.barrier_wait(ds_full, par)
                     T.wgmma_gemm(K_s[buf, :, :], S_s, KS, clear_accum=True)
@@ -303,10 +325,10 @@ def build_chunk_bwd_local(dtype: str):
                             SdS[r, j] = S_s[half * C + r, j] * dS_s[half * C + r, j]
                         T.reduce_sum(SdS, rows_SdS, dim=1)
                         for r in T.Parallel(C):
-                            dgc_part[4, r] = (T.if_then_else(half == 0, 0.0, dgc_part[4, r])
+                            dgc_part[buf, 4, r] = (T.if_then_else(half == 0, 0.0, dgc_part[buf, 4, r])
                                               + T.exp2(gc_sh[buf, C - 1]) * rows_SdS[r])
                     if has_next:
-                        gates_of(gcum, beta, nt0, work_sh[buf, 7], nhv, gc_sh, beta_sh, 1 - buf)
+                        gates_of(gcum, beta, nt0, nn_rows, nhv, gc_sh, beta_sh, 1 - buf)
                     for r in T.Parallel(C):  # beta by row in registers: the tiles' stores read no shared memory
                         beta_rows[r] = beta_sh[buf, r]
                     T.barrier_wait(v_full, par)
@@ -315,7 +337,7 @@ def build_chunk_bwd_local(dtype: str):
                     T.warpgroup_fence_operand(KS, num_regs=C * D // WG)
                     # Vd = V - diag(gamma) K S (kept for dbeta); V_s <- diag(beta) Vd; V_new = GA diag(beta) Vd
                     for r, j in T.Parallel(C, D):
-                        KS[r, j] = V_s[r, j] - gam_sh[r] * KS[r, j]
+                        KS[r, j] = V_s[r, j] - gam_v[buf, r] * KS[r, j]
                     for r, j in T.Parallel(C, D):
                         V_s[r, j] = beta_rows[r] * KS[r, j]
                     T.fence_proxy_async()
@@ -324,7 +346,7 @@ def build_chunk_bwd_local(dtype: str):
                     T.wait_wgmma(1)
                     T.warpgroup_fence_operand(KdS, num_regs=C * D // WG)
                     for r, j in T.Parallel(C, D):
-                        KdS[r, j] = tail_sh[r] * KdS[r, j]
+                        KdS[r, j] = tail_v[buf, r] * KdS[r, j]
                     # dV_new = P^T dOs + diag(gamma_last / gamma) K dS, with scale P from the gradients warpgroup
                     T.barrier_wait(sp_ready, par)
                     T.barrier_wait(do_full, par)
@@ -345,7 +367,7 @@ def build_chunk_bwd_local(dtype: str):
                                     - T.cast(T.cast(Vn[r, j], dtype), "float32") * KdS[r, j])
                     T.reduce_sum(Vn, rows_Vn, dim=1)
                     for r in T.Parallel(C):
-                        dgc_part[2, r] = rows_Vn[r]
+                        dgc_part[buf, 2, r] = rows_Vn[r]
                     T.sync_threads(VALUES_BARRIER, WG)
 
                     # dGamma_A = dV_new (diag(beta) Vd)^T, dX = GA^T dV_new and K K^T together
@@ -380,7 +402,7 @@ def build_chunk_bwd_local(dtype: str):
                         dX[r, j] = dX[r, j] * V_s[r, j]
                     T.reduce_sum(dX, rows_A, dim=1)
                     for r in T.Parallel(C):
-                        dgc_part[5, r] = rows_A[r]
+                        dgc_part[buf, 5, r] = rows_A[r]
                     T.wait_wgmma(0)
                     T.warpgroup_fence_operand(KK, num_regs=C * C // WG)
                     T.warpgroup_fence_operand(dL, num_regs=C * C // WG)
@@ -410,12 +432,29 @@ def build_chunk_bwd_local(dtype: str):
                     for r in T.Parallel(C):
                         dbeta_part[1, r] = rows_L[r]
                     store_rows(dVn_s, dv, t0, hv, n_rows)
-                else:  # gradients: P and E_P, dP, dq, dk
+                    T.sync_threads(VALUES_BARRIER, WG)
+                    for r in T.Parallel(C):
+                        if r < n_rows:
+                            dbeta[t0 + r, hv] = dbeta_part[0, r] + dbeta_part[1, r]
+                else:  # gradients: P and E_P, dP, dq, dk, dg
+                    t0, n_rows, hv, nt0, nhv, nchunk, nkh, nn_rows = begin_item(
+                        work_g, gam_g, tail_g, gc_sh, buf, GRADS_BARRIER, item, nitem, num_chunks, group,
+                        t0_, n_rows_, nt0_, nn_rows_)
+                    if n_rows < C:  # rows past the sequence end (K's: the values warpgroup's, k_ready)
+                        T.barrier_wait(q_full, par)
+                        T.barrier_wait(do_full, par)
+                        for r, j in T.Parallel(C, D):
+                            if r >= n_rows:
+                                Q_s[r, j] = T.cast(0, dtype)
+                                dO_s[r, j] = T.cast(0, dtype)
+                        T.fence_proxy_async()
+                        T.sync_threads(GRADS_BARRIER, WG)
                     if has_next:  # the next item's K into the other buffer (its last item ended)
                         T.tma_copy(k[nt0:nt0 + C, nkh, 0:D], K_s[1 - buf, :, :], barrier=k_full[1 - buf])
                         T.barrier_arrive(k_full[1 - buf])
                     T.barrier_wait(q_full, par)
                     T.barrier_wait(k_full[buf], kpar)
+                    T.barrier_wait(k_ready, par)
                     T.wgmma_gemm(Q_s, K_s[buf, :, :], PY, transpose_B=True, clear_accum=True)
                     T.barrier_wait(do_full, par)
                     T.barrier_wait(s_full, par)
@@ -437,9 +476,9 @@ def build_chunk_bwd_local(dtype: str):
                         VndS[r, j] = Q_s[r, j] * acc_q[r, j]
                     T.reduce_sum(VndS, rows_QS, dim=1)
                     for r in T.Parallel(C):
-                        dgc_part[1, r] = gam_sh[r] * scale * rows_QS[r]
+                        dgc_part[buf, 1, r] = gam_g[buf, r] * scale * rows_QS[r]
                     for r, j in T.Parallel(C, D):
-                        acc_q[r, j] = acc_q[r, j] * (gam_sh[r] * scale)
+                        acc_q[r, j] = acc_q[r, j] * (gam_g[buf, r] * scale)
                     # dP = dOs V_new^T and V_new dS^T, once V_new is there
                     T.barrier_wait(vn_ready, par)
                     T.barrier_wait(ds_full, par)
@@ -460,7 +499,7 @@ def build_chunk_bwd_local(dtype: str):
                         dP[r, s] = dP[r, s] * PY[r, s]
                     T.reduce_sum(dP, rows_P, dim=1)
                     for r in T.Parallel(C):
-                        dgc_part[0, r] = rows_P[r] / scale
+                        dgc_part[buf, 0, r] = rows_P[r] / scale
                     T.wgmma_gemm(dPG_s, Q_s, acc_k, transpose_A=True, clear_accum=True)
                     T.wait_wgmma(1)
                     T.warpgroup_fence_operand(VndS, num_regs=C * D // WG)
@@ -482,12 +521,12 @@ def build_chunk_bwd_local(dtype: str):
                     # dk += diag(gamma_last / gamma) V_new dS^T;  F = that scale o rowsum(K o V_new dS^T) (its sum
                     # joins the last row's dgc)
                     for r, j in T.Parallel(C, D):
-                        acc_k[r, j] = acc_k[r, j] + tail_sh[r] * VndS[r, j]
+                        acc_k[r, j] = acc_k[r, j] + tail_g[buf, r] * VndS[r, j]
                     for r, j in T.Parallel(C, D):
                         VndS[r, j] = K_s[buf, r, j] * VndS[r, j]
                     T.reduce_sum(VndS, rows_F, dim=1)
                     for r in T.Parallel(C):
-                        F_sh[r] = tail_sh[r] * rows_F[r]
+                        F_sh[r] = tail_g[buf, r] * rows_F[r]
                     # dk -= diag(gamma) dVd S^T, dgc -= gamma o rowsum(K o dVd S^T), as soon as dVd is there
                     T.barrier_wait(dvd_ready, par)
                     T.wgmma_gemm(dVn_s, S_s, dVdS, transpose_B=True, clear_accum=True)
@@ -498,12 +537,12 @@ def build_chunk_bwd_local(dtype: str):
                         T.tma_copy(h[nchunk, nhv, 0:D, 0:D], S_s, barrier=s_full)
                         T.barrier_arrive(s_full)
                     for r, j in T.Parallel(C, D):
-                        acc_k[r, j] = acc_k[r, j] - gam_sh[r] * dVdS[r, j]
+                        acc_k[r, j] = acc_k[r, j] - gam_g[buf, r] * dVdS[r, j]
                     for r, j in T.Parallel(C, D):
                         dVdS[r, j] = K_s[buf, r, j] * dVdS[r, j]
                     T.reduce_sum(dVdS, rows_dVd, dim=1)
                     for r in T.Parallel(C):
-                        dgc_part[3, r] = -gam_sh[r] * rows_dVd[r]
+                        dgc_part[buf, 3, r] = -gam_g[buf, r] * rows_dVd[r]
                     # dk += (G + G^T) K, the end of the values warpgroup's chain
                     T.barrier_wait(g_ready, par)
                     T.wgmma_gemm(G_s, K_s[buf, :, :], acc_k)
@@ -514,19 +553,20 @@ def build_chunk_bwd_local(dtype: str):
                     T.copy(acc_k, Vn_s)  # dk leaves through V_new's tile too
                     T.sync_threads(GRADS_BARRIER, WG)
                     store_rows(Vn_s, dk, t0, hv, n_rows)
-
-                T.sync_threads()
-                # dg = reverse cumsum of dgc over the rows that exist, plus the last row's sum(F) and gamma_last
-                # <S, dS>, which reach every row: one reverse scan over [dgc, F + those shares], whose first C
-                # entries are exactly that (no serial sum)
-                for r in T.Parallel(C):
-                    dg_sh[r] = T.if_then_else(r < n_rows, dgc_part[0, r] + dgc_part[1, r] + dgc_part[2, r]
-                                              + dgc_part[3, r] - dgc_part[5, r], 0.0)
-                    dg_sh[C + r] = F_sh[r] + dgc_part[4, r]
-                T.cumsum(src=dg_sh, dst=dg_sh, dim=0, reverse=True)
-                for r in T.Parallel(C):
-                    if r < n_rows:
-                        dg[hv, t0 + r] = dg_sh[r]
-                        dbeta[t0 + r, hv] = dbeta_part[0, r] + dbeta_part[1, r]
+                    # dg = reverse cumsum of dgc over the rows that exist, plus the last row's sum(F) and gamma_last
+                    # <S, dS>, which reach every row: row r of [s >= r] dgc[s] + (F + those shares)[s], summed over s
+                    # (the values warpgroup's shares of dgc were written before g_ready)
+                    for r in T.Parallel(C):
+                        dg_sh[r] = T.if_then_else(r < n_rows, dgc_part[buf, 0, r] + dgc_part[buf, 1, r]
+                                                  + dgc_part[buf, 2, r] + dgc_part[buf, 3, r] - dgc_part[buf, 5, r],
+                                                  0.0)
+                        dg_sh[C + r] = F_sh[r] + dgc_part[buf, 4, r]
+                    T.sync_threads(GRADS_BARRIER, WG)
+                    for r, s in T.Parallel(C, C):
+                        dP[r, s] = T.if_then_else(s >= r, dg_sh[s], 0.0) + dg_sh[C + s]
+                    T.reduce_sum(dP, rows_P, dim=1)
+                    for r in T.Parallel(C):
+                        if r < n_rows:
+                            dg[hv, t0 + r] = rows_P[r]
 
     return chunk_bwd_local
