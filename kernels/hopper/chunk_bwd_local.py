@@ -53,10 +53,11 @@ apart: the values warpgroup starts item i + 1 (K S, K dS, V_new) once it has han
 gradients warpgroup ends item i (G K, G^T K, dk's exit, and the dg scan, which it runs alone, as the values
 warpgroup stores dbeta alone). Nothing the values warpgroup writes early in item i + 1 is still read for item
 i: the tiles it writes first (Vn_s, dVn_s, sP_s, G_s) it writes after sp_ready of i + 1, which the gradients
-warpgroup signals only once it is done with item i; its shares of dgc, and each warpgroup's item indices and
-row decays, are kept by item parity. It never gets two items ahead (item i + 2 waits for sp_ready of i + 1).
+warpgroup signals only once it is done with item i; its shares of dgc, the item indices and the row decays
+(which it computes for both, before `k_ready`) are kept by item parity. It never gets two items ahead (item
+i + 2 waits for sp_ready of i + 1).
 Two TileLang traps shaped the loop (docs/kernels.md, "Twenty-ninth session"): per-item indices are locals
-(`T.alloc_var`) or read from the warpgroup's `work_v` / `work_g` (an expression such as `item // num_chunks`
+(`T.alloc_var`) or read from `work_sh` (an expression such as `item // num_chunks`
 is inlined into every index, in int64, as a call to the 64-bit division routine), and the stores that scale a
 tile by beta read it from registers (`beta_rows`: read from shared memory there, the storage-sync pass put a
 barrier inside every iteration of those loops). A third: TileLang's `T.cumsum` runs on the CTA's first warp
@@ -135,10 +136,10 @@ def build_chunk_bwd_local(dtype: str):
             beta_sh[buf, r] = T.if_then_else(r < n_rows, beta[t0 + T.min(r, last), hv], 0.0)
 
     @T.macro
-    def begin_item(work, gam, tail, gc_sh, buf, barrier, item, nitem, num_chunks, group, t0, n_rows, nt0, nn_rows):
-        """A warpgroup's start of an item: this item's and the next one's indices into the warpgroup's copy (every
-        thread writes the same values), and the row decays once per row. Returns this item's (t0, rows, v-head)
-        and the next one's (t0, v-head, chunk slot, k-head, rows), read from that copy where used."""
+    def begin_item(work, gam, tail, gc_sh, buf, item, nitem, num_chunks, group, t0, n_rows, nt0, nn_rows):
+        """The values warpgroup's start of an item: this item's and the next one's indices into `work` (every thread
+        writes the same values), and the row decays once per row. Returns this item's (t0, rows, v-head) and the
+        next one's (t0, v-head, chunk slot, k-head, rows), read from `work` where used."""
         work[buf, 0] = t0
         work[buf, 1] = n_rows
         work[buf, 2] = item // num_chunks
@@ -147,11 +148,11 @@ def build_chunk_bwd_local(dtype: str):
         work[buf, 5] = nitem % num_chunks
         work[buf, 6] = nitem // num_chunks // group
         work[buf, 7] = nn_rows
-        T.sync_threads(barrier, WG)
+        T.sync_threads(VALUES_BARRIER, WG)
         for r in T.Parallel(C):
             gam[buf, r] = T.exp2(gc_sh[buf, r])
             tail[buf, r] = T.exp2(gc_sh[buf, C - 1] - gc_sh[buf, r])
-        T.sync_threads(barrier, WG)
+        T.sync_threads(VALUES_BARRIER, WG)
         return (work[buf, 0], work[buf, 1], work[buf, 2],
                 work[buf, 3], work[buf, 4], work[buf, 5], work[buf, 6], work[buf, 7])
 
@@ -194,14 +195,11 @@ def build_chunk_bwd_local(dtype: str):
             dPG_s = T.alloc_shared((C, C), dtype)  # gradients: dP o Gamma
             gc_sh = T.alloc_shared((2, C), "float32")  # by item parity, like K
             beta_sh = T.alloc_shared((2, C), "float32")
-            # each warpgroup's own copy, by item parity (the two may be an item apart): t0, rows, v-head; the
-            # next item's t0, v-head, slot, k-head, rows; gamma and gamma_last / gamma of each row
-            work_v = T.alloc_shared((2, 8), "int32")
-            work_g = T.alloc_shared((2, 8), "int32")
-            gam_v = T.alloc_shared((2, C), "float32")
-            gam_g = T.alloc_shared((2, C), "float32")
-            tail_v = T.alloc_shared((2, C), "float32")
-            tail_g = T.alloc_shared((2, C), "float32")
+            # by item parity (the warpgroups may be an item apart), written by the values warpgroup before k_ready:
+            # t0, rows, v-head; the next item's t0, v-head, slot, k-head, rows; gamma and gamma_last / gamma by row
+            work_sh = T.alloc_shared((2, 8), "int32")
+            gam_sh = T.alloc_shared((2, C), "float32")
+            tail_sh = T.alloc_shared((2, C), "float32")
             F_sh = T.alloc_shared((C,), "float32")
             dg_sh = T.alloc_shared((2 * C,), "float32")  # dgc by row, then the shares every row's dg gets
             # shares of dgc by row, by item parity: rowsum E_P, (gamma Q S) o dOs, the V_new o dV_new difference,
@@ -288,32 +286,41 @@ def build_chunk_bwd_local(dtype: str):
                 par = it % 2
                 kpar = (it // 2) % 2
                 has_next = it + 1 < my_items
-                # this item and the next (whose tiles are loaded as this item's last readers of each tile
-                # finish): computed by every thread, kept in its warpgroup's shared copy, read where used
-                item = T.alloc_var("int32")
-                nitem = T.alloc_var("int32")
-                item = cta + it * num_ctas
-                nitem = item + num_ctas
-                _, t0_, n_rows_ = chunk_of_slot(cu_seqlens, chunk_offsets, num_seqs, item % num_chunks, search_steps)
-                _, nt0_, nn_rows_ = chunk_of_slot(cu_seqlens, chunk_offsets, num_seqs, nitem % num_chunks, search_steps)
                 if tx < WG:  # values: V_new, dV_new, dv, dbeta, the dA chain to G
+                    # this item and the next (whose tiles are loaded as this item's last readers of each tile
+                    # finish), for both warpgroups: the gradients warpgroup reads them after k_ready
+                    item = T.alloc_var("int32")
+                    nitem = T.alloc_var("int32")
+                    item = cta + it * num_ctas
+                    nitem = item + num_ctas
+                    _, t0_, n_rows_ = chunk_of_slot(cu_seqlens, chunk_offsets, num_seqs, item % num_chunks,
+                                                    search_steps)
+                    _, nt0_, nn_rows_ = chunk_of_slot(cu_seqlens, chunk_offsets, num_seqs, nitem % num_chunks,
+                                                      search_steps)
                     t0, n_rows, hv, nt0, nhv, nchunk, nkh, nn_rows = begin_item(
-                        work_v, gam_v, tail_v, gc_sh, buf, VALUES_BARRIER, item, nitem, num_chunks, group,
-                        t0_, n_rows_, nt0_, nn_rows_)
+                        work_sh, gam_sh, tail_sh, gc_sh, buf, item, nitem, num_chunks, group, t0_, n_rows_, nt0_,
+                        nn_rows_)
                     T.barrier_wait(k_full[buf], kpar)
-                    if n_rows < C:  # rows past the sequence end: the reference grid's zero padding (Q's and dO's:
-                        T.barrier_wait(v_full, par)  # the gradients warpgroup's)
-                        T.barrier_wait(ga_full, par)
+                    # rows past the sequence end: the reference grid's zero padding (Q's and dO's: the gradients
+                    # warpgroup's); K's first, which the gradients warpgroup waits for (k_ready)
+                    if n_rows < C:
                         for r, j in T.Parallel(C, D):
                             if r >= n_rows:
                                 K_s[buf, r, j] = T.cast(0, dtype)
+                        T.fence_proxy_async()
+                        T.sync_threads(VALUES_BARRIER, WG)
+                    T.barrier_arrive(k_ready)
+                    if n_rows < C:
+                        T.barrier_wait(v_full, par)
+                        T.barrier_wait(ga_full, par)
+                        for r, j in T.Parallel(C, D):
+                            if r >= n_rows:
                                 V_s[r, j] = T.cast(0, dtype)
                         for r, s in T.Parallel(C, C):
                             if r >= n_rows:
                                 GA_s[r, s] = T.cast(0, dtype)
                         T.fence_proxy_async()
                         T.sync_threads(VALUES_BARRIER, WG)
-                    T.barrier_arrive(k_ready)
                     T.barrier_wait(s_full, par)
                     T.barrier_wait(ds_full, par)
                     T.wgmma_gemm(K_s[buf, :, :], S_s, KS, clear_accum=True)
@@ -337,7 +344,7 @@ def build_chunk_bwd_local(dtype: str):
                     T.warpgroup_fence_operand(KS, num_regs=C * D // WG)
                     # Vd = V - diag(gamma) K S (kept for dbeta); V_s <- diag(beta) Vd; V_new = GA diag(beta) Vd
                     for r, j in T.Parallel(C, D):
-                        KS[r, j] = V_s[r, j] - gam_v[buf, r] * KS[r, j]
+                        KS[r, j] = V_s[r, j] - gam_sh[buf, r] * KS[r, j]
                     for r, j in T.Parallel(C, D):
                         V_s[r, j] = beta_rows[r] * KS[r, j]
                     T.fence_proxy_async()
@@ -346,7 +353,7 @@ def build_chunk_bwd_local(dtype: str):
                     T.wait_wgmma(1)
                     T.warpgroup_fence_operand(KdS, num_regs=C * D // WG)
                     for r, j in T.Parallel(C, D):
-                        KdS[r, j] = tail_v[buf, r] * KdS[r, j]
+                        KdS[r, j] = tail_sh[buf, r] * KdS[r, j]
                     # dV_new = P^T dOs + diag(gamma_last / gamma) K dS, with scale P from the gradients warpgroup
                     T.barrier_wait(sp_ready, par)
                     T.barrier_wait(do_full, par)
@@ -437,9 +444,9 @@ def build_chunk_bwd_local(dtype: str):
                         if r < n_rows:
                             dbeta[t0 + r, hv] = dbeta_part[0, r] + dbeta_part[1, r]
                 else:  # gradients: P and E_P, dP, dq, dk, dg
-                    t0, n_rows, hv, nt0, nhv, nchunk, nkh, nn_rows = begin_item(
-                        work_g, gam_g, tail_g, gc_sh, buf, GRADS_BARRIER, item, nitem, num_chunks, group,
-                        t0_, n_rows_, nt0_, nn_rows_)
+                    T.barrier_wait(k_ready, par)  # and the item's indices and row decays
+                    t0, n_rows, hv = work_sh[buf, 0], work_sh[buf, 1], work_sh[buf, 2]
+                    nt0, nhv, nchunk, nkh = work_sh[buf, 3], work_sh[buf, 4], work_sh[buf, 5], work_sh[buf, 6]
                     if n_rows < C:  # rows past the sequence end (K's: the values warpgroup's, k_ready)
                         T.barrier_wait(q_full, par)
                         T.barrier_wait(do_full, par)
@@ -454,7 +461,6 @@ def build_chunk_bwd_local(dtype: str):
                         T.barrier_arrive(k_full[1 - buf])
                     T.barrier_wait(q_full, par)
                     T.barrier_wait(k_full[buf], kpar)
-                    T.barrier_wait(k_ready, par)
                     T.wgmma_gemm(Q_s, K_s[buf, :, :], PY, transpose_B=True, clear_accum=True)
                     T.barrier_wait(do_full, par)
                     T.barrier_wait(s_full, par)
@@ -476,9 +482,9 @@ def build_chunk_bwd_local(dtype: str):
                         VndS[r, j] = Q_s[r, j] * acc_q[r, j]
                     T.reduce_sum(VndS, rows_QS, dim=1)
                     for r in T.Parallel(C):
-                        dgc_part[buf, 1, r] = gam_g[buf, r] * scale * rows_QS[r]
+                        dgc_part[buf, 1, r] = gam_sh[buf, r] * scale * rows_QS[r]
                     for r, j in T.Parallel(C, D):
-                        acc_q[r, j] = acc_q[r, j] * (gam_g[buf, r] * scale)
+                        acc_q[r, j] = acc_q[r, j] * (gam_sh[buf, r] * scale)
                     # dP = dOs V_new^T and V_new dS^T, once V_new is there
                     T.barrier_wait(vn_ready, par)
                     T.barrier_wait(ds_full, par)
@@ -521,12 +527,12 @@ def build_chunk_bwd_local(dtype: str):
                     # dk += diag(gamma_last / gamma) V_new dS^T;  F = that scale o rowsum(K o V_new dS^T) (its sum
                     # joins the last row's dgc)
                     for r, j in T.Parallel(C, D):
-                        acc_k[r, j] = acc_k[r, j] + tail_g[buf, r] * VndS[r, j]
+                        acc_k[r, j] = acc_k[r, j] + tail_sh[buf, r] * VndS[r, j]
                     for r, j in T.Parallel(C, D):
                         VndS[r, j] = K_s[buf, r, j] * VndS[r, j]
                     T.reduce_sum(VndS, rows_F, dim=1)
                     for r in T.Parallel(C):
-                        F_sh[r] = tail_g[buf, r] * rows_F[r]
+                        F_sh[r] = tail_sh[buf, r] * rows_F[r]
                     # dk -= diag(gamma) dVd S^T, dgc -= gamma o rowsum(K o dVd S^T), as soon as dVd is there
                     T.barrier_wait(dvd_ready, par)
                     T.wgmma_gemm(dVn_s, S_s, dVdS, transpose_B=True, clear_accum=True)
@@ -537,12 +543,12 @@ def build_chunk_bwd_local(dtype: str):
                         T.tma_copy(h[nchunk, nhv, 0:D, 0:D], S_s, barrier=s_full)
                         T.barrier_arrive(s_full)
                     for r, j in T.Parallel(C, D):
-                        acc_k[r, j] = acc_k[r, j] - gam_g[buf, r] * dVdS[r, j]
+                        acc_k[r, j] = acc_k[r, j] - gam_sh[buf, r] * dVdS[r, j]
                     for r, j in T.Parallel(C, D):
                         dVdS[r, j] = K_s[buf, r, j] * dVdS[r, j]
                     T.reduce_sum(dVdS, rows_dVd, dim=1)
                     for r in T.Parallel(C):
-                        dgc_part[buf, 3, r] = -gam_g[buf, r] * rows_dVd[r]
+                        dgc_part[buf, 3, r] = -gam_sh[buf, r] * rows_dVd[r]
                     # dk += (G + G^T) K, the end of the values warpgroup's chain
                     T.barrier_wait(g_ready, par)
                     T.wgmma_gemm(G_s, K_s[buf, :, :], acc_k)
