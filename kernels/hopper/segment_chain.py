@@ -15,9 +15,10 @@ on the host is one launch for the whole chain; a row whose mask is 0 skips its p
 
 Each step is a 128 x block_v x 128 product, serial along the chain, so a step's latency is the kernel's
 time. What a step waits for, and how each wait is kept off it:
-- the next step's matrix (64 KiB) and the bias tiles of the next three steps are in flight by cp.async
-  while this step works (two matrix buffers, BIAS_STAGES bias buffers; a step waits for all but the
-  newest group): a step without a product is too short to cover even one bias load;
+- the next step's matrix (64 KiB) is in flight while this step works, one TMA load (four boxes of 32
+  columns) issued by one thread on its buffer's mbarrier (two buffers; as cp.async it was 4096 16-byte
+  requests of all 128 threads); the bias tiles of the next three steps by cp.async (BIAS_STAGES buffers, one
+  commit group per step): a step without a product is too short to cover even one bias load;
 - the mask values, which decide whether a step multiplies and whether its matrix is loaded, are read
   MASK_BLOCK at a time into shared memory (one load round trip per block of steps); read where they were
   needed, a global round trip came before every prefetch;
@@ -27,13 +28,16 @@ time. What a step waits for, and how each wait is kept off it:
   read four times and S 32 times: 512 KiB of shared-memory traffic per step); the k groups' partial blocks
   meet in shared memory, where each thread adds one row's four columns to the bias. A thread's rows are
   i = a + (128 / rows_per_thread) r in both directions, so the threads of a warp read consecutive rows of M
-  (forward: 16 bytes of k each, rows padded to 132 floats so that they fall on different bank groups) or
-  consecutive columns of one row (backward, M^T), and write consecutive rows of the partial tiles.
+  (forward: 16 bytes of k each; M's tile is TMA's 128-byte swizzle, which puts the 16-byte chunks of 8
+  consecutive rows on 8 different bank groups) or consecutive columns of one row (backward, M^T), and write
+  consecutive rows of the partial tiles.
 H200, 2026-12-01, CUDA-graph replays of the kernel alone (docs/kernels.md, "Fifteenth session"): 16 steps
 x 8 heads all exact 69 -> 44 us, a quarter exact 43 -> 28, 32 steps x 4 heads 129 -> 80, 600 steps x 2
-heads 1442 -> 835; float64 agreement 1e-7 -> 6e-8.
+heads 1442 -> 835; float64 agreement 1e-7 -> 6e-8. The matrix by TMA instead of cp.async (2026-12-05, the
+public op's chains under AutoCP, `ab_kernel.py`): 1.07-1.19x, outputs bitwise equal.
 """
 import tilelang.language as T
+from tilelang.layout import make_full_bank_swizzled_layout
 
 HEAD_DIM = 128
 ROWS_PER_THREAD = 4
@@ -41,7 +45,6 @@ K_GROUPS = 4
 BIAS_STAGES = 4  # bias tiles in flight: a step without a product is too short to cover one load
 MASK_BLOCK = 256  # mask values read together
 MAX_SHARED_BYTES = 227 * 1024  # one SM90 CTA's limit
-ROW_PAD = 4  # floats after each matrix row in shared memory (see the bank-group note above)
 
 
 def build_segment_chain(block_v: int, rows_per_thread: int = ROWS_PER_THREAD, k_groups: int = K_GROUPS):
@@ -56,7 +59,7 @@ def build_segment_chain(block_v: int, rows_per_thread: int = ROWS_PER_THREAD, k_
     quads = D * BV // 4  # (row, 4 columns) items of the output tile
     if quads % threads:
         raise ValueError(f"{threads} threads do not divide the {quads} output items")
-    shared_bytes = 4 * (2 * D * (D + ROW_PAD) + (BIAS_STAGES + 1 + k_groups) * D * BV + 2 * MASK_BLOCK)
+    shared_bytes = 4 * (2 * D * D + (BIAS_STAGES + 1 + k_groups) * D * BV + 2 * MASK_BLOCK)
     if shared_bytes > MAX_SHARED_BYTES:
         raise ValueError(f"block_v={BV}, k_groups={k_groups} needs {shared_bytes} bytes of shared memory per CTA")
 
@@ -78,9 +81,13 @@ def build_segment_chain(block_v: int, rows_per_thread: int = ROWS_PER_THREAD, k_
         return T.if_then_else(step < steps, mask[row * num_heads + h], 0.0)
 
     @T.macro
-    def load_matrix(mats, M_s, num_heads, reverse, h, first, last, step):
-        """Step `step`'s matrix into its buffer (cp.async, one commit group)."""
-        T.async_copy(mats[source_of(num_heads, reverse, h, first, last, step), 0:D, 0:D], M_s[step % 2, 0:D, 0:D])
+    def load_matrix(mats, M_s, m_full, num_heads, reverse, h, first, last, step):
+        """Step `step`'s matrix into its buffer: one TMA load (issued by one elected thread) on the buffer's
+        mbarrier, which every thread arrives on (64 KiB that cp.async moved as 4096 16-byte requests). Not inside
+        a one-thread branch: the election is an elect.sync over the whole warp."""
+        T.tma_copy(mats[source_of(num_heads, reverse, h, first, last, step), 0:D, 0:D], M_s[step % 2, 0:D, 0:D],
+                   barrier=m_full[step % 2])
+        T.barrier_arrive(m_full[step % 2])
 
     @T.macro
     def load_bias(bias, B_s, num_heads, reverse, h, v0, first, last, steps, step):
@@ -112,7 +119,10 @@ def build_segment_chain(block_v: int, rows_per_thread: int = ROWS_PER_THREAD, k_
             v0 = bv * BV
             first = first_rows[n]
             last = last_rows[n]
-            M_s = T.alloc_shared((2, D, D + ROW_PAD), "float32")  # this step's matrix and the next one's
+            M_s = T.alloc_shared((2, D, D), "float32")  # this step's matrix and the next one's (swizzled, TMA)
+            m_full = T.alloc_barrier(arrive_count=[threads, threads])  # M_s[b] landed
+            loads0 = T.alloc_var("int32")  # matrices loaded into buffer 0 / 1 so far: the k-th load into a
+            loads1 = T.alloc_var("int32")  # buffer completes phase k of its mbarrier
             B_s = T.alloc_shared((BIAS_STAGES, D, BV), "float32")  # bias tiles of this step and the next ones
             S_s = T.alloc_shared((D, BV), "float32")
             part_s = T.alloc_shared((k_groups, D, BV), "float32")  # each k group's partial product
@@ -124,6 +134,7 @@ def build_segment_chain(block_v: int, rows_per_thread: int = ROWS_PER_THREAD, k_
             mask_s = T.alloc_shared((2 * MASK_BLOCK,), "float32")  # mask of step s at s % (2 MASK_BLOCK)
             scale = T.alloc_var("float32")  # this step's mask
 
+            T.annotate_layout({M_s: make_full_bank_swizzled_layout(M_s)})
             tx = T.get_thread_binding()
             k0 = tx // row_groups * k_span  # first k of this thread's k group
             a = tx % row_groups  # this thread's rows: a + row_groups r
@@ -132,25 +143,34 @@ def build_segment_chain(block_v: int, rows_per_thread: int = ROWS_PER_THREAD, k_
             T.copy(out[start * num_heads + h, 0:D, v0:v0 + BV], S_s)
             load_mask_block(mask, mask_s, num_heads, reverse, h, first, last, steps, 0)
             T.sync_threads()
-            # cp.async groups, oldest first: step 0's matrix (if its mask is not 0), then the bias tiles of
-            # steps 0 .. BIAS_STAGES - 2; every step then adds its successor's matrix and one bias tile, so
-            # "all but the newest group landed" is what a step waits for
+            # the matrices arrive by TMA on m_full (only for steps whose mask is not 0: `loads` counts them per
+            # buffer, identically in every thread); the bias tiles by cp.async, one commit group per step,
+            # BIAS_STAGES - 1 steps ahead, so "all but the newest BIAS_STAGES - 2 groups landed" is a step's wait
+            loads0 = 0
+            loads1 = 0
             if steps > 0:
                 if mask_s[0] != 0:
-                    load_matrix(mats, M_s, num_heads, reverse, h, first, last, 0)
+                    load_matrix(mats, M_s, m_full, num_heads, reverse, h, first, last, 0)
+                    loads0 = 1
                 for b in T.unroll(BIAS_STAGES - 1):
                     load_bias(bias, B_s, num_heads, reverse, h, v0, first, last, steps, b)
             for step in T.serial(steps):
                 row = row_of(reverse, first, last, step)
-                T.ptx_wait_group(1)
-                T.sync_threads()  # this step's tiles and the previous step's state visible to all
+                T.ptx_wait_group(BIAS_STAGES - 2)
                 scale = mask_s[step % (2 * MASK_BLOCK)]
+                if scale != 0:  # this step's matrix (TMA) landed; the storage-sync pass puts the barrier that makes
+                    # the bias tile and the previous step's state visible after the cp.async wait
+                    T.barrier_wait(m_full[step % 2], (T.if_then_else(step % 2 == 0, loads0, loads1) + 1) % 2)
                 if step % MASK_BLOCK == 0:  # the next block of masks, into the slot of the previous one
                     load_mask_block(mask, mask_s, num_heads, reverse, h, first, last, steps, step // MASK_BLOCK + 1)
                 # into the buffers the previous step read: the next step's matrix where its mask is not 0,
                 # and the bias tile BIAS_STAGES - 1 steps ahead
                 if mask_s[(step + 1) % (2 * MASK_BLOCK)] != 0:
-                    load_matrix(mats, M_s, num_heads, reverse, h, first, last, step + 1)
+                    load_matrix(mats, M_s, m_full, num_heads, reverse, h, first, last, step + 1)
+                    if step % 2 == 0:
+                        loads1 = loads1 + 1
+                    else:
+                        loads0 = loads0 + 1
                 load_bias(bias, B_s, num_heads, reverse, h, v0, first, last, steps, step + BIAS_STAGES - 1)
                 if scale != 0:
                     for r in T.unroll(RT):
