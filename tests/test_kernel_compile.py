@@ -7,8 +7,6 @@ import importlib
 import os
 import shutil
 import sys
-from concurrent.futures import ProcessPoolExecutor
-from multiprocessing import get_context
 
 import pytest
 
@@ -16,7 +14,7 @@ tilelang = pytest.importorskip("tilelang")
 pytestmark = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on PATH")
 
 from flashqla.kernels.hopper import launch  # noqa: E402
-from parallel_compile import compile_all  # noqa: E402
+from parallel_compile import compile_all, spawned_pool  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
 from kernel_resources import barrier_hazards, barriers_in_unrolled_loops, wgmma_serialisation  # noqa: E402
@@ -89,8 +87,7 @@ def _serialisation_of(module, builder, args):
 def test_ptxas_keeps_every_walk_pipelined():
     """ptxas serialises every wgmma of a kernel when it cannot prove that no other instruction touches an
     in-flight product's registers: a slower kernel and no error (docs/kernels.md, "Thirty-sixth session")."""
-    with ProcessPoolExecutor(max_workers=min(len(PIPELINED), os.cpu_count() or 1),
-                             mp_context=get_context("spawn")) as pool:
+    with spawned_pool(len(PIPELINED)) as pool:
         messages = list(pool.map(_serialisation_of, *zip(*PIPELINED)))
     serialised = {f"{module}{args}": found for (module, _, args), found in zip(PIPELINED, messages) if found}
     assert not serialised, serialised
