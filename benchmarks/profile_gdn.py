@@ -2,12 +2,15 @@
 
     python benchmarks/profile_gdn.py step [--heads 16,32] [--tokens 32768] [--seqs 1] [--top 30] [--intra-cp 64]
     python benchmarks/profile_gdn.py first-call [--top 40]
+    python benchmarks/profile_gdn.py plain [--heads 16,32] [--tokens 32768] [--seqs 8] [--steps 3] [--intra-cp auto]
 
 `step`: torch.profiler over a few warm fwd+bwd calls; prints the CUDA kernels by total time (one table for
 the forward alone, one for fwd+bwd) and the host wall time per call, to find the stage to work on next.
 `first-call`: cProfile of the first fwd+bwd in this (fresh) process, sorted by cumulative time: run with
 an empty TILELANG_CACHE_DIR and FLASHQLA_PREBUILT_KERNELS pointing at a prebuilt tree to see what the
 first call of a user's process spends (issue 12).
+`plain`: a few fwd+bwd calls and nothing else (no profiler of its own), for Nsight Compute to attach to
+(scripts/device_ncu.sh).
 """
 from __future__ import annotations
 
@@ -66,16 +69,28 @@ def profile_first_call(args):
     pstats.Stats(profiler).sort_stats("cumulative").print_stats(args.top)
 
 
+def plain_steps(args):
+    Hqk, Hv = map(int, args.heads.split(","))
+    inputs = make_inputs(Hqk, Hv, [args.tokens // args.seqs] * args.seqs)
+    do = torch.randn_like(inputs[2])
+    intra_cp = args.intra_cp if args.intra_cp in ("off", "auto") else int(args.intra_cp)
+    for _ in range(args.steps):
+        _call(inputs, intra_cp).backward(do)
+    torch.cuda.synchronize()
+    print(f"({Hqk},{Hv}) {args.tokens} tokens x{args.seqs}, intra_cp={intra_cp}: {args.steps} fwd+bwd calls done")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("what", choices=["step", "first-call"])
+    ap.add_argument("what", choices=["step", "first-call", "plain"])
     ap.add_argument("--heads", default="16,32")
     ap.add_argument("--tokens", type=int, default=32768)
     ap.add_argument("--seqs", type=int, default=1)
     ap.add_argument("--top", type=int, default=30)
+    ap.add_argument("--steps", type=int, default=3, help="plain: fwd+bwd calls")
     ap.add_argument("--intra-cp", default="off", help="'off', 'auto' or a segment length in chunks")
     args = ap.parse_args()
-    profile_step(args) if args.what == "step" else profile_first_call(args)
+    {"step": profile_step, "first-call": profile_first_call, "plain": plain_steps}[args.what](args)
 
 
 if __name__ == "__main__":
