@@ -3,6 +3,7 @@
     .venv/bin/python scripts/kernel_resources.py wy_inverse build_wy_inverse bfloat16
     .venv/bin/python scripts/kernel_resources.py path/to/variant.py build_wy_inverse bfloat16
     .venv/bin/python scripts/kernel_resources.py --source out.cu chunk_bwd_local build_chunk_bwd_local bfloat16
+    .venv/bin/python scripts/kernel_resources.py --sass out.sass chunk_bwd_local build_chunk_bwd_local bfloat16
 
 The first argument is a module of flashqla.kernels.hopper or a file holding a variant of one; the rest is
 the builder and its arguments (integers where they look like integers). Prints the registers per thread
@@ -14,7 +15,11 @@ fully unrolled loops (one per step of an elementwise pass),
 how many CTAs of it fit on one H200 SM by registers and by shared memory (the occupancy Nsight Compute would
 report, before any device time is spent; docs/kernels.md, "Occupancy"), and every thread barrier the generated
 CUDA places where not all the threads it waits for can reach it (a hang on the device). `--source FILE` also
-writes the CUDA source TileLang generated, to read what a step lowered to.
+writes the CUDA source TileLang generated, to read what a step lowered to. `--sass FILE` writes the cubin's SASS
+(`cuobjdump -sass`; cuobjdump and nvdisasm are not part of nvcc's install here, but PyPI's
+`nvidia-cuda-cuobjdump` and `nvidia-cuda-nvdisasm` wheels hold them: unzip both, put their `nvidia/cu13/bin` on
+PATH) and prints its instruction counts: every instruction, branches, MUFU, shared loads, local-memory spill
+traffic.
 """
 from __future__ import annotations
 
@@ -23,7 +28,9 @@ import importlib
 import importlib.util
 import os
 import re
+import shutil
 import struct
+import subprocess
 import sys
 import tempfile
 
@@ -204,11 +211,40 @@ def wgmma_serialisation(prim_func) -> list[str]:
     return [line.strip() for line in lines if WGMMA_SERIALISED in line]
 
 
+def sass_counts(sass: str) -> dict:
+    """Static counts of a `cuobjdump -sass` listing: instructions, and some kinds of them by opcode prefix."""
+    ops = re.findall(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", sass, re.M)
+    kinds = {"BRA": "branches", "BSSY": "BSSY", "MUFU": "MUFU", "LDS": "shared loads", "LDL": "spill loads",
+             "STL": "spill stores"}
+    counts = {"instructions": len(ops)}
+    for op, name in kinds.items():
+        counts[name] = sum(1 for o in ops if o == op)
+    return counts
+
+
+def write_sass(cubin: str, path: str) -> None:
+    tool = shutil.which("cuobjdump")
+    if tool is None:
+        print("  SASS: no cuobjdump on PATH (see this script's docstring)")
+        return
+    result = subprocess.run([tool, "-sass", cubin], capture_output=True, text=True)
+    if result.returncode != 0:
+        print(f"  SASS: cuobjdump failed: {result.stderr.strip()}")
+        return
+    with open(path, "w") as out:
+        out.write(result.stdout)
+    print("  SASS: " + ", ".join(f"{v} {k}" for k, v in sass_counts(result.stdout).items()) + f" -> {path}")
+
+
 def main():
     argv = sys.argv[1:]
-    source_path = None
-    if argv[:1] == ["--source"]:
-        source_path, argv = argv[1], argv[2:]
+    source_path = sass_path = None
+    while argv[:1] in (["--source"], ["--sass"]):
+        if argv[0] == "--source":
+            source_path = argv[1]
+        else:
+            sass_path = argv[1]
+        argv = argv[2:]
     if len(argv) < 2:
         sys.exit(__doc__)
     target, builder, *raw = argv
@@ -235,6 +271,8 @@ def main():
         shared = launch_shared_memory(host, threads[0])
         cubins = glob.glob(f"{cache}/**/*.cubin", recursive=True)
         registers = cubin_registers(cubins[0]) if cubins else None
+        if sass_path and cubins:
+            write_sass(cubins[0], sass_path)
     layout = re.findall(r"void\* (\w+) = \(\(void\*\)\(\(char\*\)buf_dyn_shmem \+ (\d+)\)\)", source)
     print(f"{target}.{builder}{tuple(args)}: {threads[0]} threads")
     print(f"  registers per thread: {registers if registers is not None else 'n/a (no cubin record)'}")

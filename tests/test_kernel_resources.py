@@ -5,7 +5,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
 
-from kernel_resources import barrier_hazards, barriers_in_unrolled_loops, launch_shared_memory  # noqa: E402
+from kernel_resources import barrier_hazards, barriers_in_unrolled_loops, launch_shared_memory, sass_counts  # noqa: E402
 
 # a TMA issue in a loop, as TileLang 0.1.15 generated it for the persistent chunk_bwd_local variant: the
 # storage-sync pass put the gradients warpgroup's barrier inside the branch one thread takes
@@ -126,3 +126,24 @@ def test_dynamic_shared_memory_is_the_argument_after_the_block_or_none():
     assert launch_shared_memory(host_launch([16384, 32768, 132, 1, 1, 256, 1, 1, 217408]), 256) == 217408
     # grid (2, 128, 1) whose 128 is no block; no dynamic shared memory: the argument is left out
     assert launch_shared_memory(host_launch([2, 128, 1, 128, 1, 1]), 128) == 0
+
+
+# a few lines of `cuobjdump -sass` output (sm_90a, CUDA 13): predicated and unpredicated instructions, with their
+# encodings on the following lines
+SASS = """\
+        /*0c70*/                   LDS R89, [R157+0x35400] ;                         /* 0x035400009d597984 */
+                                                                                     /* 0x000e240000000800 */
+        /*0c80*/              @!P6 BRA 0x7f45d682c520 ;                              /* 0x000000a000006947 */
+                                                                                     /* 0x000fea000383ffff */
+        /*0c90*/                   MUFU.EX2 R15, R15 ;                               /* 0x0000000f000f7308 */
+        /*0ca0*/               @P0 LDL R2, [R1+0x8] ;                                /* 0x0000080001020983 */
+        /*0cb0*/                   STL [R1+0x4], R3 ;                                /* 0x0000040301007387 */
+        /*0cc0*/                   BSSY B1, 0x7f45d6810000 ;                         /* 0x0000000000017945 */
+        /*0cd0*/                   FADD.FTZ R15, -R15, R16 ;                         /* 0x000000100f0f7221 */
+"""
+
+
+def test_sass_counts_read_every_instruction_and_its_kind():
+    counts = sass_counts(SASS)
+    assert counts == {"instructions": 7, "branches": 1, "BSSY": 1, "MUFU": 1, "shared loads": 1, "spill loads": 1,
+                      "spill stores": 1}
