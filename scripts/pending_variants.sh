@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# The kernel changes kept as patches in docs/pending/ (docs/pending/README.md), A/B'd against the committed kernel.
+#   here:       bash scripts/pending_variants.sh build     # each patch applied to a copy of its kernel in .devvar/,
+#                                                          # compiled for sm_90a, packed as .devvar/cache.tar.xz
+#   the device: bash scripts/pending_variants.sh run [CONFIGS]   # carry [".devsite", ".devkernels", ".devvar"]
+# A patch names its kernel in its first line (--- a/kernels/hopper/<kernel>.py); every variant is built and run with
+# that kernel's builder, `build_<kernel>`, for bfloat16 (BUILD_ARGS to change it).
+set -euo pipefail
+mode=${1:?build or run}
+configs=${2:-16:32:4096x8,16:32:32768x1,16:64:8192x4,4:8:8192x4,2:4:32768x1,2:4:8192x1,2:8:1000x3}
+build_args=${BUILD_ARGS:-bfloat16}
+kernel_of() { sed -n '1s|^--- a/kernels/hopper/\(.*\)\.py$|\1|p' "$1"; }
+case $mode in
+  build)
+    python=${PYTHON:-.venv/bin/python}
+    cache=$(mktemp -d)/varcache
+    mkdir -p .devvar "$cache"
+    for patch in docs/pending/*.patch; do
+      name=$(basename "$patch" .patch)
+      kernel=$(kernel_of "$patch")
+      cp "kernels/hopper/$kernel.py" ".devvar/$name.py"
+      patch -s ".devvar/$name.py" "$patch"
+      # a variant is loaded from its file, outside the package: its relative imports made absolute
+      sed -i 's/^from \.\([a-z_]*\) import/from flashqla.kernels.hopper.\1 import/' ".devvar/$name.py"
+      # shellcheck disable=SC2086
+      $python scripts/ab_kernel.py compile ".devvar/$name.py" "build_$kernel" $build_args --cache "$cache" 2>&1 \
+        | { grep -v Warning || true; } | tail -1
+    done
+    tar cJf .devvar/cache.tar.xz -C "$(dirname "$cache")" varcache
+    ls -la .devvar/cache.tar.xz
+    ;;
+  run)
+    set +e  # device_setup.sh is sourced; a variant that fails is reported and the next one runs
+    export OUT=${OUT:-/tmp/out}
+    source scripts/device_setup.sh >/dev/null 2>&1 || { echo "device_setup failed"; exit 1; }
+    for patch in docs/pending/*.patch; do
+      name=$(basename "$patch" .patch)
+      kernel=$(kernel_of "$patch")
+      # shellcheck disable=SC2086
+      timeout 300 python3 scripts/ab_kernel.py run "$kernel" ".devvar/$name.py" "build_$kernel" $build_args \
+        --configs "$configs" 2>&1 | grep -v Warning | grep "x)" | tee -a "$OUT/pending_ab.log" || true
+    done
+    ;;
+  *) echo "usage: $0 build|run [CONFIGS]"; exit 1 ;;
+esac
