@@ -34,16 +34,26 @@ def _call(inputs, intra_cp="off"):
     return o
 
 
-def profile_step(args):
+def _setup(args):
+    """The run `args` describe: (its label, the op's inputs, dO, the intra_cp argument)."""
     Hqk, Hv = map(int, args.heads.split(","))
     inputs = make_inputs(Hqk, Hv, [args.tokens // args.seqs] * args.seqs)
-    do = torch.randn_like(inputs[2])
     intra_cp = args.intra_cp if args.intra_cp in ("off", "auto") else int(args.intra_cp)
-    for _ in range(2):
+    label = f"({Hqk},{Hv}) {args.tokens} tokens x{args.seqs}, intra_cp={intra_cp}"
+    return label, inputs, torch.randn_like(inputs[2]), intra_cp
+
+
+def _fwd_bwd(inputs, do, intra_cp, calls):
+    for _ in range(calls):
         _call(inputs, intra_cp).backward(do)
     torch.cuda.synchronize()
-    for label, fn in [("forward", lambda: _call(inputs, intra_cp)),
-                      ("fwd+bwd", lambda: _call(inputs, intra_cp).backward(do))]:
+
+
+def profile_step(args):
+    label, inputs, do, intra_cp = _setup(args)
+    _fwd_bwd(inputs, do, intra_cp, 2)
+    for what, fn in [("forward", lambda: _call(inputs, intra_cp)),
+                     ("fwd+bwd", lambda: _call(inputs, intra_cp).backward(do))]:
         reps = 3
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             start = time.perf_counter()
@@ -51,8 +61,7 @@ def profile_step(args):
                 fn()
             torch.cuda.synchronize()
             wall_ms = (time.perf_counter() - start) * 1e3 / reps
-        print(f"\n=== ({Hqk},{Hv}) {args.tokens} tokens x{args.seqs}, intra_cp={intra_cp}: {label}, {wall_ms:.2f} ms wall per call "
-              f"(profiler on) ===")
+        print(f"\n=== {label}: {what}, {wall_ms:.2f} ms wall per call (profiler on) ===")
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=args.top, max_name_column_width=60))
 
 
@@ -70,14 +79,9 @@ def profile_first_call(args):
 
 
 def plain_steps(args):
-    Hqk, Hv = map(int, args.heads.split(","))
-    inputs = make_inputs(Hqk, Hv, [args.tokens // args.seqs] * args.seqs)
-    do = torch.randn_like(inputs[2])
-    intra_cp = args.intra_cp if args.intra_cp in ("off", "auto") else int(args.intra_cp)
-    for _ in range(args.steps):
-        _call(inputs, intra_cp).backward(do)
-    torch.cuda.synchronize()
-    print(f"({Hqk},{Hv}) {args.tokens} tokens x{args.seqs}, intra_cp={intra_cp}: {args.steps} fwd+bwd calls done")
+    label, inputs, do, intra_cp = _setup(args)
+    _fwd_bwd(inputs, do, intra_cp, args.steps)
+    print(f"{label}: {args.steps} fwd+bwd calls done")
 
 
 def main():
