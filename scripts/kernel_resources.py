@@ -212,7 +212,8 @@ def wgmma_serialisation(prim_func) -> list[str]:
 
 
 def sass_counts(sass: str) -> dict:
-    """Static counts of a `cuobjdump -sass` listing: instructions, and some kinds of them by opcode prefix."""
+    """Static counts of a `cuobjdump -sass` listing: instructions, and some kinds of them by opcode (the part before
+    its first dot: MUFU.EX2 counts as MUFU)."""
     ops = re.findall(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", sass, re.M)
     kinds = {"BRA": "branches", "BSSY": "BSSY", "MUFU": "MUFU", "LDS": "shared loads", "LDL": "spill loads",
              "STL": "spill stores"}

@@ -19,9 +19,7 @@ case $mode in
       name=$(basename "$patch" .patch)
       kernel=$(kernel_of "$patch")
       cp "kernels/hopper/$kernel.py" ".devvar/$name.py"
-      patch -s ".devvar/$name.py" "$patch"
-      # a variant is loaded from its file, outside the package: its relative imports made absolute
-      sed -i 's/^from \.\([a-z_]*\) import/from flashqla.kernels.hopper.\1 import/' ".devvar/$name.py"
+      patch -s ".devvar/$name.py" "$patch"  # its relative imports resolve (kernel_resources.load_builder)
       # shellcheck disable=SC2086
       $python scripts/ab_kernel.py compile ".devvar/$name.py" "build_$kernel" $build_args --cache "$cache" 2>&1 \
         | { grep -v Warning || true; } | tail -1
