@@ -234,6 +234,54 @@ def test_kernel_backward_matches_the_torch_backend(hopper, varlen):
         assert rel_err(a, b) <= limits[name], (name, rel_err(a, b))
 
 
+@pytest.mark.parametrize("Hqk,Hv", [(2, 4), (1, 4), (2, 6)], ids=["gqa2", "gqa4", "gqa3"])
+def test_kernel_backward_sums_gqa_pairs_in_the_kernel_when_switched_on(hopper, monkeypatch, Hqk, Hv):
+    """FLASHQLA_GQA_PAIR_SUM=1: at an even GQA group chunk_bwd_local's pair_sum build writes dq and dk per v-head
+    pair into zeroed outputs, and the GQA sum runs over the rest of the group (not at all at 2); at an odd group
+    nothing changes. Every gradient equals the default path's: bitwise at groups 2 and 3, within bf16's rounding
+    at 4 (two roundings more), and against the torch backend within the kernels' limits."""
+    from flashqla.kernels.hopper import backward, launch
+    from flashqla.ops import torch_backend
+
+    args, cu = call([1, 65, 130, 64, 7], Hqk=Hqk, Hv=Hv, seed=17)
+    h0 = args["initial_state"]
+    gen = torch.Generator().manual_seed(18)
+    do = torch.randn(args["v"].shape, generator=gen).bfloat16()
+    dht = torch.randn(h0.shape, generator=gen) * 0.1
+    inputs = [args[n] for n in NAMES]
+    launched = []
+    for name in ("compiled_chunk_bwd_local", "compiled_gqa_sum"):
+        build = getattr(backward, name)
+
+        def spy(*build_args, build=build, name=name):
+            kernel = build(*build_args)
+            return lambda *a: launched.append((name, build_args, tuple(a[0].shape))) or kernel(*a)
+        monkeypatch.setattr(backward, name, spy)
+    default = hopper.chunk_gdn_bwd(*inputs, 0.25, h0, cu, do, dht)
+    monkeypatch.setenv("FLASHQLA_GQA_PAIR_SUM", "1")
+    launched.clear()
+    paired = hopper.chunk_gdn_bwd(*inputs, 0.25, h0, cu, do, dht)
+
+    group, T = Hv // Hqk, args["q"].shape[1]
+    if group % 2:
+        assert launched == [("compiled_chunk_bwd_local", ("bfloat16", False), (T, Hqk, 128)),
+                            ("compiled_gqa_sum", ("bfloat16",), (T * Hqk, group, 128))]
+    else:
+        assert launched[0] == ("compiled_chunk_bwd_local", ("bfloat16", True), (T, Hqk, 128))
+        sums = [(T * Hqk, group // 2, 128)] if group > 2 else []
+        assert [shape for name, _, shape in launched[1:]] == sums
+    plan = torch_backend.make_plan(1, T, cu.tolist(), 0)
+    want = torch_backend.backward(*inputs, 0.25, h0, plan, do, dht, None)
+    limits = {"q": 1e-2, "k": 1e-2, "v": 1e-2, "g": 2e-2, "beta": 2e-2, "initial_state": 1e-2}
+    for name, a, b, w in zip(limits, paired, default, want):
+        assert a.shape == b.shape and a.dtype == b.dtype, name
+        if group == 4 and name in ("q", "k"):
+            assert 0 < rel_err(a, b) <= 1e-2, (name, rel_err(a, b))  # rounded after each pair: not the same bits
+        else:
+            assert torch.equal(a, b), name
+        assert rel_err(a, w) <= limits[name], (name, rel_err(a, w))
+
+
 def test_summaries_on_the_kernel_path_match_the_torch_path(hopper):
     from flashqla.ops import backends
 

@@ -5,8 +5,10 @@
     fused_fwd (states)    the state entering every chunk (input dtype): the forward's walk again, without O
     chunk_dstates         the reverse walk: the gradient of the state leaving every chunk, and dS0
                           (beside the state walk on a second stream when one walk leaves SMs idle)
-    chunk_bwd_local       every chunk at once: dq, dk (per v-head), dv, dg, dbeta from those two
-    gqa_sum               dq and dk summed over each GQA group (fp32 accumulation), both in one launch
+    chunk_bwd_local       every chunk at once: dq, dk (per v-head, or per v-head pair: `sums_pairs`), dv, dg,
+                          dbeta from those two
+    gqa_sum               dq and dk summed over each GQA group (fp32 accumulation), both in one launch; with the
+                          pairs summed, over the rest of the group (none at 2 v-heads per k-head)
 
 Of the forward the backward reads its inputs and, when kept, GA and the cumulative gates (the forward's own
 tensors: 132 bytes per token and v-head held until the backward). The kernels read dO as given and apply the
@@ -17,6 +19,7 @@ sequences.
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 
@@ -45,6 +48,16 @@ def side_by_side(device: torch.device, side, main):
         if isinstance(tensor, torch.Tensor):
             tensor.record_stream(current)
     return side_out, main_out
+
+
+def sums_pairs(group: int) -> bool:
+    """Whether chunk_bwd_local adds the dq and dk of v-heads 2m and 2m + 1 into one row by TMA reduce (its
+    `pair_sum` build; a GQA group of `group` v-heads per k-head, even), so that no GQA sum runs at 2 v-heads per
+    k-head and it sums half the rows at 4 or 8. The kernel's G = 2 outputs equal the GQA sum's (a sum of two
+    16-bit values rounded once, in either order). Off unless FLASHQLA_GQA_PAIR_SUM=1: not yet run on a GPU
+    (docs/kernels.md, "Thirty-ninth session")."""
+    switch = os.environ.get("FLASHQLA_GQA_PAIR_SUM", "0").strip().lower()
+    return group % 2 == 0 and switch in ("1", "on", "true", "yes")
 
 
 def output_gradient(x: ChunkedCall, do: torch.Tensor) -> torch.Tensor:
@@ -96,21 +109,24 @@ def backward_of(x: ChunkedCall, q, k, v, g, beta, do, scale, h0, dht):
         (dh, dS0), h = side_by_side(device, reverse_walk, forward_walk)
     else:
         (dh, dS0), h = reverse_walk(), forward_walk()
-    # per v-head in the input dtype: half the bytes of fp32 written here and read by the GQA sums (and
+    # per v-head (or pair) in the input dtype: half the bytes of fp32 written here and read by the GQA sums (and
     # T x Hv x 512 bytes less memory at the peak); the sums accumulate in fp32 and round once more
-    dq, dk = (torch.empty(B * T, Hv, D, dtype=do.dtype, device=device) for _ in range(2))
+    group = Hv // Hqk
+    pair_sum = sums_pairs(group)
+    dq, dk = ((torch.zeros if pair_sum else torch.empty)(B * T, Hv // 2 if pair_sum else Hv, D, dtype=do.dtype,
+                                                         device=device) for _ in range(2))
     dv = torch.empty(B * T, Hv, D, dtype=do.dtype, device=device)
     dg = torch.empty(Hv, B * T, dtype=torch.float32, device=device)
     dbeta = torch.empty(B * T, Hv, dtype=torch.float32, device=device)
-    compiled_chunk_bwd_local(x.dtype)(
+    compiled_chunk_bwd_local(x.dtype, pair_sum)(
         x.q, x.k, v.reshape(B * T, Hv, D), do, x.GA, x.gcum, x.beta, h, dh, x.cu,
         x.offsets, dq, dk, dv, dg, dbeta, scale, x.num_seqs.bit_length(), sm_count_on(device))
     del h, dh  # the per-chunk states and their gradients, before the GQA sums allocate
 
-    if Hv != Hqk:  # v-head h read k-head h // (Hv / Hqk): sum each group, accumulating in fp32
-        group = Hv // Hqk
+    rest = group // 2 if pair_sum else group  # rows per k-head left to sum
+    if rest > 1:  # v-head h read k-head h // group: sum each group, accumulating in fp32
         dq_sum, dk_sum = (torch.empty(B * T * Hqk, D, dtype=dq.dtype, device=device) for _ in range(2))
-        compiled_gqa_sum(x.dtype)(dq.view(-1, group, D), dk.view(-1, group, D), dq_sum, dk_sum)
+        compiled_gqa_sum(x.dtype)(dq.view(-1, rest, D), dk.view(-1, rest, D), dq_sum, dk_sum)
         dq, dk = dq_sum, dk_sum
     return (dq.view(q.shape).to(q.dtype), dk.view(k.shape).to(k.dtype), dv.view(v.shape).to(v.dtype),
             dg.t().reshape(g.shape).to(g.dtype), dbeta.view(beta.shape).to(beta.dtype), dS0)

@@ -42,6 +42,15 @@ caller sums dq and dk over GQA groups, accumulating in fp32), dg [Hv, T] and dbe
 leave through shared memory (dq and dk through V_new's tile once both products that read it are done, dv
 through the tile that holds it for dk's last term), 16 bytes per thread and store.
 
+GQA pair sums (the `pair_sum` build, for an even number of v-heads per k-head): v-heads 2m and 2m + 1 read
+the same Q and K, so their dq (and dk) tiles add into row m of a [T, Hv / 2, 128] output the caller zeroed,
+each by one TMA reduce of the whole tile (`cp.reduce.async.bulk.tensor ... .add`, performed in L2). Two
+16-bit addends into a zero give the same bits in either order (0 + a is exact, a + b is rounded once), so the
+result is deterministic and equal to the GQA sum's at 2 v-heads per k-head, which then does not run; at 4 or
+8 it sums half the rows. The reduce covers all 64 rows: rows past the sequence end are zero (each term of dq
+and dk there is a product with a zeroed row of dO, Q, K, V' or G, or with beta = 0), so they add nothing to
+the next sequence's rows, and the TMA unit drops rows past T.
+
 Persistent: `num_ctas` CTAs (one per SM: one fits by registers and shared memory) take every num_ctas-th
 item of the real chunks (chunk fastest), so that the next item's tiles load while this one computes. Each
 tile arrives by TMA on its own mbarrier, requested by the warpgroup that reads it last as soon as it is done
@@ -94,6 +103,7 @@ stages, and what crosses stages or warpgroups per row (gamma, gamma_last / gamma
 and dbeta) lives in small shared arrays, summed at the end (~20 s to compile on the 2-core CPU machine).
 """
 import tilelang.language as T
+from tilelang.cuda.language import atomic_add
 
 from .chunk_map import chunk_of_slot
 
@@ -104,12 +114,15 @@ WARPGROUP = 128
 VALUES_BARRIER, GRADS_BARRIER = 12, 13  # named barriers of one warpgroup (TileLang's own start at 3)
 
 
-def build_chunk_bwd_local(dtype: str):
+def build_chunk_bwd_local(dtype: str, pair_sum: bool = False):
     """The kernel for input dtype `dtype`; the number of persistent CTAs (the SM count) is a runtime argument, so
-    one build serves every device."""
+    one build serves every device. With `pair_sum` (an even GQA group: v-heads 2m and 2m + 1 read the same k-head)
+    dq and dk are [T, Hv / 2, 128], zeroed by the caller, and each v-head adds its tiles into its pair's rows by a
+    TMA reduce (see "GQA pair sums" above)."""
     num_tokens = T.dynamic("num_tokens")
     num_qk_heads = T.dynamic("num_qk_heads")
     num_v_heads = T.dynamic("num_v_heads")
+    num_dqk_heads = T.dynamic("num_v_pairs") if pair_sum else num_v_heads
     num_seqs = T.dynamic("num_seqs")
     num_chunk_slots = T.dynamic("num_chunk_slots")
     C, D, WG = CHUNK, HEAD_DIM, WARPGROUP
@@ -125,6 +138,17 @@ def build_chunk_bwd_local(dtype: str):
         for r, j in T.Parallel(C, D):
             if r < n_rows:
                 out[t0 + r, hv, j] = tile[r, j]
+
+    @T.macro
+    def leave(tile, out, t0, hv, n_rows):
+        """dq or dk of v-head hv from shared memory: its rows (`store_rows`), or with `pair_sum` the whole chunk added
+        into pair hv // 2 by one TMA reduce, issued by one thread, which waits until the tile is read. Rows past the
+        sequence end are zero there (built from zeroed Q, K, dO, V', G rows) and leave the rows they land on as they
+        are, so a partial chunk needs no mask; rows past T are clipped by the TMA unit."""
+        if pair_sum:
+            atomic_add(out[t0:t0 + C, hv // 2, 0:D], tile, use_tma=True)
+        else:
+            store_rows(tile, out, t0, hv, n_rows)
 
     @T.macro
     def gates_of(gcum, beta, t0, n_rows, hv, gc_sh, beta_sh, buf):
@@ -169,8 +193,8 @@ def build_chunk_bwd_local(dtype: str):
         dh: T.Tensor((num_chunk_slots, num_v_heads, D, D), dtype),
         cu_seqlens: T.Tensor((num_seqs + 1,), "int32"),
         chunk_offsets: T.Tensor((num_seqs + 1,), "int32"),
-        dq: T.Tensor((num_tokens, num_v_heads, D), dtype),
-        dk: T.Tensor((num_tokens, num_v_heads, D), dtype),
+        dq: T.Tensor((num_tokens, num_dqk_heads, D), dtype),
+        dk: T.Tensor((num_tokens, num_dqk_heads, D), dtype),
         dv: T.Tensor((num_tokens, num_v_heads, D), dtype),
         dg: T.Tensor((num_v_heads, num_tokens), "float32"),
         dbeta: T.Tensor((num_tokens, num_v_heads), "float32"),
@@ -512,6 +536,8 @@ def build_chunk_bwd_local(dtype: str):
                     T.warpgroup_fence_operand(acc_q, num_regs=C * D // WG)
                     # dq leaves through V_new's tile (both products reading it are done)
                     T.copy(acc_q, Vn_s)
+                    if pair_sum:
+                        T.fence_proxy_async()  # the TMA reduce reads it (after the barrier below)
                     T.wait_wgmma(0)
                     T.warpgroup_fence_operand(acc_k, num_regs=C * D // WG)
                     T.barrier_wait(do_free, par)
@@ -523,7 +549,7 @@ def build_chunk_bwd_local(dtype: str):
                         T.barrier_arrive(q_full)
                         T.barrier_arrive(ds_full)
                         T.barrier_arrive(do_full)
-                    store_rows(Vn_s, dq, t0, hv, n_rows)
+                    leave(Vn_s, dq, t0, hv, n_rows)
                     # dk += diag(gamma_last / gamma) V_new dS^T;  F = that scale o rowsum(K o V_new dS^T) (its sum
                     # joins the last row's dgc)
                     for r, j in T.Parallel(C, D):
@@ -557,8 +583,10 @@ def build_chunk_bwd_local(dtype: str):
                     T.warpgroup_fence_operand(acc_k, num_regs=C * D // WG)
                     T.sync_threads(GRADS_BARRIER, WG)  # dq's stores have read Vn_s
                     T.copy(acc_k, Vn_s)  # dk leaves through V_new's tile too
+                    if pair_sum:
+                        T.fence_proxy_async()
                     T.sync_threads(GRADS_BARRIER, WG)
-                    store_rows(Vn_s, dk, t0, hv, n_rows)
+                    leave(Vn_s, dk, t0, hv, n_rows)
                     # dg = reverse cumsum of dgc over the rows that exist, plus the last row's sum(F) and gamma_last
                     # <S, dS>, which reach every row: row r of [s >= r] dgc[s] + (F + those shares)[s], summed over s
                     # (the values warpgroup's shares of dgc were written before g_ready)

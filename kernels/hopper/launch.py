@@ -91,10 +91,11 @@ def compiled_chunk_dstates(dtype: str, block_v: int):
 
 
 @functools.lru_cache(maxsize=None)
-def compiled_chunk_bwd_local(dtype: str):
+def compiled_chunk_bwd_local(dtype: str, pair_sum: bool):
     """The compiled chunk-local backward (chunk_bwd_local.py) for `dtype` (persistent: launched with the SM count
-    of the device as its last argument)."""
-    return compile_from("chunk_bwd_local", "build_chunk_bwd_local", f"chunk_bwd_local({dtype})", dtype)
+    of the device as its last argument); `pair_sum`: dq and dk summed over v-head pairs in the kernel."""
+    label = f"chunk_bwd_local({dtype}, pair_sum)" if pair_sum else f"chunk_bwd_local({dtype})"
+    return compile_from("chunk_bwd_local", "build_chunk_bwd_local", label, dtype, pair_sum)
 
 
 @functools.lru_cache(maxsize=None)
@@ -125,7 +126,8 @@ def kernel_configs(dtypes=KERNEL_DTYPES):
         yield compiled_wy_inverse, (dtype, False)
         yield compiled_wy_inverse, (dtype, True)
         yield compiled_chunk_output, (dtype,)
-        yield compiled_chunk_bwd_local, (dtype,)
+        yield compiled_chunk_bwd_local, (dtype, False)
+        yield compiled_chunk_bwd_local, (dtype, True)
         yield compiled_gqa_sum, (dtype,)
         for block_v in BLOCK_V_CHOICES:
             yield compiled_fused_fwd, (dtype, block_v)
