@@ -13,6 +13,11 @@ tensors.
     python benchmarks/bench_bwd.py [--impls flashqla,flashqla_cp,fla,flash_qla] [--heads 4:8,2:4] [--reps 10]
         [--graphs] [--out docs/benchmarks_bwd.md]
 
+An implementation may name environment variables it runs under, after an @ (several joined by +): e.g.
+`--impls flashqla_cp,flashqla_cp@FLASHQLA_GQA_PAIR_SUM=1,flash_qla` times flashqla's default backward and the one
+with the GQA pair sums side by side in one process (the variables are set around its forward and backward
+only, so the other implementations do not see them).
+
 FlashQLA 0.1.3 JIT-compiles its backward for minutes on first use per configuration: on a short device
 session carry its kernels prebuilt on a CPU machine (benchmarks/peer_cache/, which covers this matrix), and pass
 --refuse-peer-jit: a configuration whose FlashQLA kernel the cache lacks then fails at once (a note in the
@@ -58,6 +63,33 @@ def forward_fn(impl):
 
         return lambda q, k, v, g, beta, cu: flash_qla.chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens=as_int64(cu))[0]
     raise ValueError(impl)
+
+
+def impl_environment(impl: str) -> tuple[str, dict]:
+    """'name@VAR=value+VAR2=value2' -> ('name', {VAR: value, VAR2: value2}); a plain name has none."""
+    name, _, settings = impl.partition("@")
+    env = {}
+    for setting in filter(None, settings.split("+")):
+        var, sep, value = setting.partition("=")
+        if not sep or not var:
+            raise ValueError(f"{impl!r}: environment settings are VAR=value, joined by +")
+        env[var] = value
+    return name, env
+
+
+@contextlib.contextmanager
+def environment(env: dict):
+    """os.environ with `env` set inside, restored on the way out."""
+    saved = {var: os.environ.get(var) for var in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for var, value in saved.items():
+            if value is None:
+                os.environ.pop(var, None)
+            else:
+                os.environ[var] = value
 
 
 class JITRefused(RuntimeError):
@@ -137,7 +169,7 @@ def main():
     fns, notes = {}, []
     for impl in impls:
         try:
-            fns[impl] = forward_fn(impl)
+            fns[impl] = forward_fn(impl_environment(impl)[0])
         except Exception as exc:
             notes.append(f"- {impl} unavailable: {exc.__class__.__name__}: {exc}")
     rows, vers = [], versions()
@@ -156,7 +188,7 @@ def main():
                         start = time.perf_counter()
                         guard = (tilelang_compiles_refused(impl) if args.refuse_peer_jit and impl == "flash_qla"
                                  else contextlib.nullcontext())
-                        with guard:
+                        with guard, environment(impl_environment(impl)[1]):
                             row[impl] = time_impl(fn, inputs, do, args.reps, args.graphs, notes,
                                                   f"{impl} ({Hqk},{Hv}) {T}x{n}")
                         seconds[impl] = round(time.perf_counter() - start, 1)

@@ -1,8 +1,11 @@
 """benchmarks/bench_bwd.py's report and chart from given rows (no GPU): the ratios and geomeans it prints are
 what a device session records, so they are checked here where a mistake costs nothing."""
 import math
+import os
 import sys
 from pathlib import Path
+
+import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import bench_bwd  # noqa: E402
@@ -37,8 +40,6 @@ def test_refused_jit_loads_cached_kernels_and_refuses_new_ones(tmp_path, monkeyp
     import shutil
     import time
 
-    import pytest
-
     tilelang = pytest.importorskip("tilelang")
     if shutil.which("nvcc") is None:
         pytest.skip("nvcc is not on PATH")
@@ -69,3 +70,16 @@ def test_refused_jit_loads_cached_kernels_and_refuses_new_ones(tmp_path, monkeyp
         with pytest.raises(bench_bwd.JITRefused, match="peer: a TileLang kernel is not in the cache"):
             build(never_built)
     assert build(never_built) is not None
+
+
+def test_an_implementation_runs_under_the_environment_it_names(monkeypatch):
+    monkeypatch.setenv("FLASHQLA_GQA_PAIR_SUM", "0")
+    monkeypatch.delenv("FLASHQLA_UNSET_HERE", raising=False)
+    assert bench_bwd.impl_environment("flashqla_cp") == ("flashqla_cp", {})
+    name, env = bench_bwd.impl_environment("flashqla_cp@FLASHQLA_GQA_PAIR_SUM=1+FLASHQLA_UNSET_HERE=x")
+    assert name == "flashqla_cp" and env == {"FLASHQLA_GQA_PAIR_SUM": "1", "FLASHQLA_UNSET_HERE": "x"}
+    with bench_bwd.environment(env):
+        assert os.environ["FLASHQLA_GQA_PAIR_SUM"] == "1" and os.environ["FLASHQLA_UNSET_HERE"] == "x"
+    assert os.environ["FLASHQLA_GQA_PAIR_SUM"] == "0" and "FLASHQLA_UNSET_HERE" not in os.environ
+    with pytest.raises(ValueError, match="VAR=value"):
+        bench_bwd.impl_environment("flashqla_cp@FLASHQLA_GQA_PAIR_SUM")
