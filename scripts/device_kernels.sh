@@ -6,7 +6,8 @@
 #   ab:    scripts/ab_kernel.py run $AB_ARGS: a kernel variant against the committed kernel, outputs and time side by
 #          side; the variant's TileLang cache, built here with `ab_kernel.py compile ... --cache DIR` and carried
 #          in .devvar (cache.tar.xz, or the folder cache/), is merged into the kernels' cache (device_setup.sh)
-#   tests: tests/gpu (first-call latency only with TESTS_FIRST_CALL=1: it JIT-compiles in fresh processes for minutes)
+#   tests: tests/gpu, or the files / node ids in TESTS (e.g. TESTS="tests/gpu/test_tilelang_backward.py -k pair") (the
+#          first-call latency test only with TESTS_FIRST_CALL=1: it JIT-compiles in fresh processes for minutes)
 #   bench: bench_gdn.py (pass e.g. --cp-sweep 32,64,128,256 --flashqla-configs none)
 #   profile: profile_gdn.py step (PROFILE_ARGS) and first-call in a fresh process on an empty cache
 #   layer: megatron_gdn_layer.py, Megatron's FLA GDN layer vs flashqla's (parity and time, 1 GPU; LAYER_ARGS, e.g.
@@ -28,7 +29,9 @@ if runs tests; then
   # the first-call latency test JIT-compiles from an empty cache (about 4 minutes): only with TESTS_FIRST_CALL=1
   skip=(--deselect tests/gpu/test_first_call_latency.py)
   [[ ${TESTS_FIRST_CALL:-0} == 1 ]] && skip=()
-  timeout -k 20 "${TESTS_TIMEOUT:-420}" python3 -m pytest -q -s -rA -o faulthandler_timeout=150 tests/gpu "${skip[@]}" 2>&1 | tee "$OUT/tests.log" | tail -30
+  # shellcheck disable=SC2086
+  timeout -k 20 "${TESTS_TIMEOUT:-420}" python3 -m pytest -q -s -rA -o faulthandler_timeout=150 ${TESTS:-tests/gpu} \
+    "${skip[@]}" 2>&1 | tee "$OUT/tests.log" | tail -30
 fi
 
 if runs cold; then

@@ -4,12 +4,18 @@
 #                                                          # compiled for sm_90a, packed as .devvar/cache.tar.xz
 #   the device: bash scripts/pending_variants.sh run [CONFIGS]   # carry [".devsite", ".devkernels", ".devvar"]
 # A patch names its kernel in its first line (--- a/kernels/hopper/<kernel>.py); every variant is built and run with
-# that kernel's builder, `build_<kernel>`, for bfloat16 (BUILD_ARGS to change it).
+# that kernel's builder, `build_<kernel>`, for bfloat16 (chunk_bwd_local: its default build, without the GQA pair
+# sums; BUILD_ARGS to change it).
 set -euo pipefail
 mode=${1:?build or run}
 configs=${2:-16:32:4096x8,16:32:32768x1,16:64:8192x4,4:8:8192x4,2:4:32768x1,2:4:8192x1,2:8:1000x3}
-build_args=${BUILD_ARGS:-bfloat16}
 kernel_of() { sed -n '1s|^--- a/kernels/hopper/\(.*\)\.py$|\1|p' "$1"; }
+# the launch the A/B records is the one with these build arguments (the public op's default for the kernel)
+build_args_of() {
+  if [[ -n ${BUILD_ARGS:-} ]]; then echo "$BUILD_ARGS"
+  elif [[ $1 == chunk_bwd_local ]]; then echo "bfloat16 False"
+  else echo "bfloat16"; fi
+}
 case $mode in
   build)
     python=${PYTHON:-.venv/bin/python}
@@ -21,7 +27,7 @@ case $mode in
       cp "kernels/hopper/$kernel.py" ".devvar/$name.py"
       patch -s ".devvar/$name.py" "$patch"  # its relative imports resolve (kernel_resources.load_builder)
       # shellcheck disable=SC2086
-      $python scripts/ab_kernel.py compile ".devvar/$name.py" "build_$kernel" $build_args --cache "$cache" 2>&1 \
+      $python scripts/ab_kernel.py compile ".devvar/$name.py" "build_$kernel" $(build_args_of "$kernel") --cache "$cache" 2>&1 \
         | { grep -v Warning || true; } | tail -1
     done
     tar cJf .devvar/cache.tar.xz -C "$(dirname "$cache")" varcache
@@ -35,7 +41,7 @@ case $mode in
       name=$(basename "$patch" .patch)
       kernel=$(kernel_of "$patch")
       # shellcheck disable=SC2086
-      timeout 300 python3 scripts/ab_kernel.py run "$kernel" ".devvar/$name.py" "build_$kernel" $build_args \
+      timeout 300 python3 scripts/ab_kernel.py run "$kernel" ".devvar/$name.py" "build_$kernel" $(build_args_of "$kernel") \
         --configs "$configs" 2>&1 | grep -v Warning | grep "x)" | tee -a "$OUT/pending_ab.log" || true
     done
     ;;
