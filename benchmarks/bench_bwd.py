@@ -14,9 +14,9 @@ tensors.
         [--graphs] [--out docs/benchmarks_bwd.md]
 
 An implementation may name environment variables it runs under, after an @ (several joined by +): e.g.
-`--impls flashqla_cp,flashqla_cp@FLASHQLA_GQA_PAIR_SUM=1,flash_qla` times flashqla's default backward and the one
-with the GQA pair sums side by side in one process (the variables are set around its forward and backward
-only, so the other implementations do not see them).
+`--impls flashqla_cp,flashqla_cp@FLASHQLA_GQA_PAIR_SUM=ordered,flash_qla` times flashqla's default backward
+and the one with the GQA pair sums side by side in one process (the variables are set around its forward and
+backward only, so the other implementations do not see them).
 
 FlashQLA 0.1.3 JIT-compiles its backward for minutes on first use per configuration: on a short device
 session carry its kernels prebuilt on a CPU machine (benchmarks/peer_cache/, which covers this matrix), and pass

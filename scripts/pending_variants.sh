@@ -13,7 +13,7 @@ kernel_of() { sed -n '1s|^--- a/kernels/hopper/\(.*\)\.py$|\1|p' "$1"; }
 # the launch the A/B records is the one with these build arguments (the public op's default for the kernel)
 build_args_of() {
   if [[ -n ${BUILD_ARGS:-} ]]; then echo "$BUILD_ARGS"
-  elif [[ $1 == chunk_bwd_local ]]; then echo "bfloat16 False"
+  elif [[ $1 == chunk_bwd_local ]]; then echo "bfloat16 none"
   else echo "bfloat16"; fi
 }
 case $mode in

@@ -181,11 +181,12 @@ def emulate_chunk_dstates(q, k, GA, beta, do, gcum, cu, offsets, dht, dh_out, dh
 
 
 def emulate_chunk_bwd_local(q, k, v, do, GA, gcum, beta, h, dh, cu, offsets, dq, dk, dv, dg, dbeta, scale,
-                            search_steps, num_ctas, pair_sum=False):
+                            search_steps, num_ctas, pair_sum="none"):
     """reference.chunk_backward per chunk on its zero-padded rows (the kernel's masking), dg summed; its A is
     GA / Gamma (0 where Gamma underflows: those entries of GA are 0 and reach no gradient term beyond it).
-    pair_sum: dq and dk [T, Hv / 2, 128] hold each v-head pair's sum: every v-head's rows, rounded to the dtype,
-    added to what is there (the kernel's TMA reduce into the caller's zeros)."""
+    pair_sum: dq and dk [T, Hv / 2, 128] hold each v-head pair's sum of its rows rounded to the dtype, added to
+    what is there ("zeroed": the kernel's TMA reduces into the caller's zeros) or in place of it ("ordered": the
+    pair's first v-head stores, the second adds)."""
     from flashqla.kernels.hopper import launch
     from flashqla.ops import reference
 
@@ -202,14 +203,17 @@ def emulate_chunk_bwd_local(q, k, v, do, GA, gcum, beta, h, dh, cu, offsets, dq,
         b = reference.backward_terms(x, one(do), scale)
         slot = offsets[n] + c
         gq, gk, gv, ggc, gbeta = reference.chunk_backward(x, b, h[slot].double()[None, None], dh[slot].double()[None, None])
-        for out, grad in ((dv, gv), (dbeta, gbeta)) if pair_sum else ((dq, gq), (dk, gk), (dv, gv), (dbeta, gbeta)):
+        summed = pair_sum != "none"
+        for out, grad in ((dv, gv), (dbeta, gbeta)) if summed else ((dq, gq), (dk, gk), (dv, gv), (dbeta, gbeta)):
             _store(out, t0, rows, grad[0, 0])
-        if pair_sum:
+        if summed:
             if dq.shape[1] * 2 != v.shape[1]:
                 raise ValueError(f"pair_sum: dq has {dq.shape[1]} heads for {v.shape[1]} v-heads")
             for out, grad in ((dq, gq), (dk, gk)):
                 each = grad[0, 0, :, :rows].to(out.dtype).float()  # [Hv, rows, D], rounded per v-head
-                pairs = out[t0:t0 + rows].float() + each[0::2].movedim(0, 1) + each[1::2].movedim(0, 1)
+                pairs = each[0::2].movedim(0, 1) + each[1::2].movedim(0, 1)
+                if pair_sum == "zeroed":
+                    pairs = pairs + out[t0:t0 + rows].float()
                 out[t0:t0 + rows] = pairs.to(out.dtype)
         dg[:, t0:t0 + rows] = reference.gate_gradient(ggc)[0, 0, :, :rows].to(dg.dtype)
 

@@ -50,14 +50,23 @@ def side_by_side(device: torch.device, side, main):
     return side_out, main_out
 
 
-def sums_pairs(group: int) -> bool:
-    """Whether chunk_bwd_local adds the dq and dk of v-heads 2m and 2m + 1 into one row by TMA reduce (its
-    `pair_sum` build; a GQA group of `group` v-heads per k-head, even), so that no GQA sum runs at 2 v-heads per
-    k-head and it sums half the rows at 4 or 8. The kernel's G = 2 outputs equal the GQA sum's (a sum of two
-    16-bit values rounded once, in either order). Off unless FLASHQLA_GQA_PAIR_SUM=1: not yet run on a GPU
-    (docs/kernels.md, "Thirty-ninth session")."""
-    switch = os.environ.get("FLASHQLA_GQA_PAIR_SUM", "0").strip().lower()
-    return group % 2 == 0 and switch in ("1", "on", "true", "yes")
+PAIR_SUM_ENV = "FLASHQLA_GQA_PAIR_SUM"
+
+
+def sums_pairs(group: int) -> str:
+    """How chunk_bwd_local sums the dq and dk of v-heads 2m and 2m + 1 into one row (its `pair_sum` build), at a
+    GQA group of `group` v-heads per k-head: "none" (odd groups, and the default), "zeroed" (each
+    v-head's tiles added by TMA reduce into outputs zeroed here) or "ordered" (one CTA takes both v-heads of a
+    chunk, the second adding to what the first stored: no zeroing). No GQA sum runs then at 2 v-heads per k-head,
+    and it sums half the rows at 4 or 8; the G = 2 outputs equal the GQA sum's (a sum of two 16-bit values
+    rounded once, in either order). Chosen by FLASHQLA_GQA_PAIR_SUM=zeroed|ordered; off otherwise, as neither
+    has run on a GPU yet (docs/kernels.md, "Thirty-ninth session")."""
+    mode = os.environ.get(PAIR_SUM_ENV, "").strip().lower()
+    if mode in ("", "0", "off", "none"):
+        return "none"
+    if mode not in ("zeroed", "ordered"):
+        raise ValueError(f"{PAIR_SUM_ENV}={mode!r}: expected zeroed, ordered or none")
+    return mode if group % 2 == 0 else "none"
 
 
 def output_gradient(x: ChunkedCall, do: torch.Tensor) -> torch.Tensor:
@@ -113,8 +122,8 @@ def backward_of(x: ChunkedCall, q, k, v, g, beta, do, scale, h0, dht):
     # T x Hv x 512 bytes less memory at the peak); the sums accumulate in fp32 and round once more
     group = Hv // Hqk
     pair_sum = sums_pairs(group)
-    dq, dk = ((torch.zeros if pair_sum else torch.empty)(B * T, Hv // 2 if pair_sum else Hv, D, dtype=do.dtype,
-                                                         device=device) for _ in range(2))
+    dq, dk = ((torch.zeros if pair_sum == "zeroed" else torch.empty)(
+        B * T, Hv if pair_sum == "none" else Hv // 2, D, dtype=do.dtype, device=device) for _ in range(2))
     dv = torch.empty(B * T, Hv, D, dtype=do.dtype, device=device)
     dg = torch.empty(Hv, B * T, dtype=torch.float32, device=device)
     dbeta = torch.empty(B * T, Hv, dtype=torch.float32, device=device)
@@ -123,7 +132,7 @@ def backward_of(x: ChunkedCall, q, k, v, g, beta, do, scale, h0, dht):
         x.offsets, dq, dk, dv, dg, dbeta, scale, x.num_seqs.bit_length(), sm_count_on(device))
     del h, dh  # the per-chunk states and their gradients, before the GQA sums allocate
 
-    rest = group // 2 if pair_sum else group  # rows per k-head left to sum
+    rest = group if pair_sum == "none" else group // 2  # rows per k-head left to sum
     if rest > 1:  # v-head h read k-head h // group: sum each group, accumulating in fp32
         dq_sum, dk_sum = (torch.empty(B * T * Hqk, D, dtype=dq.dtype, device=device) for _ in range(2))
         compiled_gqa_sum(x.dtype)(dq.view(-1, rest, D), dk.view(-1, rest, D), dq_sum, dk_sum)

@@ -112,17 +112,24 @@ HEAD_DIM = 128
 LOG2E = 1.4426950408889634
 WARPGROUP = 128
 VALUES_BARRIER, GRADS_BARRIER = 12, 13  # named barriers of one warpgroup (TileLang's own start at 3)
+PAIR_SUMS = ("none", "zeroed", "ordered")  # the builds' `pair_sum`: how a v-head pair's tiles meet, if they do
+# the fence TileLang lacks: generic-proxy writes to global memory before an async-proxy (TMA) access to them
+FENCE_PRELUDE = '\n__device__ __forceinline__ void fence_proxy_async_all() { asm volatile("fence.proxy.async;" ::: "memory"); }\n'
 
 
-def build_chunk_bwd_local(dtype: str, pair_sum: bool = False):
+def build_chunk_bwd_local(dtype: str, pair_sum: str = "none"):
     """The kernel for input dtype `dtype`; the number of persistent CTAs (the SM count) is a runtime argument, so
-    one build serves every device. With `pair_sum` (an even GQA group: v-heads 2m and 2m + 1 read the same k-head)
-    dq and dk are [T, Hv / 2, 128], zeroed by the caller, and each v-head adds its tiles into its pair's rows by a
-    TMA reduce (see "GQA pair sums" above)."""
+    one build serves every device. With a `pair_sum` (an even GQA group: v-heads 2m and 2m + 1 read the same k-head)
+    dq and dk are [T, Hv / 2, 128] and each pair's tiles are summed there (see "GQA pair sums" above): "zeroed",
+    the caller zeroes them and each v-head adds its tiles by TMA reduce; "ordered", one CTA takes both v-heads of a
+    chunk one after the other, the first storing its tiles and the second adding to them."""
+    if pair_sum not in PAIR_SUMS:
+        raise ValueError(f"pair_sum must be one of {PAIR_SUMS}, got {pair_sum!r}")
+    summed, ordered = pair_sum != "none", pair_sum == "ordered"  # (TileLang folds Python bools silently)
     num_tokens = T.dynamic("num_tokens")
     num_qk_heads = T.dynamic("num_qk_heads")
     num_v_heads = T.dynamic("num_v_heads")
-    num_dqk_heads = T.dynamic("num_v_pairs") if pair_sum else num_v_heads
+    num_dqk_heads = T.dynamic("num_v_pairs") if summed else num_v_heads
     num_seqs = T.dynamic("num_seqs")
     num_chunk_slots = T.dynamic("num_chunk_slots")
     C, D, WG = CHUNK, HEAD_DIM, WARPGROUP
@@ -140,12 +147,20 @@ def build_chunk_bwd_local(dtype: str, pair_sum: bool = False):
                 out[t0 + r, hv, j] = tile[r, j]
 
     @T.macro
-    def leave(tile, out, t0, hv, n_rows):
-        """dq or dk of v-head hv from shared memory: its rows (`store_rows`), or with `pair_sum` the whole chunk added
-        into pair hv // 2 by one TMA reduce, issued by one thread, which waits until the tile is read. Rows past the
+    def leave(tile, out, t0, hv, n_rows, first):
+        """dq or dk of v-head hv from shared memory: its rows (`store_rows`), or with `pair_sum` into pair hv // 2: the
+        whole chunk added by one TMA reduce, issued by one thread, which waits until the tile is read ("ordered": the
+        pair's `first` v-head stores its rows instead, and fences them for the second one's reduce). Rows past the
         sequence end are zero there (built from zeroed Q, K, dO, V', G rows) and leave the rows they land on as they
-        are, so a partial chunk needs no mask; rows past T are clipped by the TMA unit."""
-        if pair_sum:
+        are, whatever order their own writers come in, so a partial chunk needs no mask; rows past T are clipped by
+        the TMA unit."""
+        if ordered:
+            if first:
+                store_rows(tile, out, t0, hv // 2, n_rows)
+                T.call_extern("handle", "fence_proxy_async_all")
+            else:
+                atomic_add(out[t0:t0 + C, hv // 2, 0:D], tile, use_tma=True)
+        elif summed:
             atomic_add(out[t0:t0 + C, hv // 2, 0:D], tile, use_tma=True)
         else:
             store_rows(tile, out, t0, hv, n_rows)
@@ -202,7 +217,7 @@ def build_chunk_bwd_local(dtype: str, pair_sum: bool = False):
         search_steps: T.int32,
         num_ctas: T.int32,
     ):
-        with T.Kernel(num_ctas, threads=2 * WG) as (cta,):
+        with T.Kernel(num_ctas, threads=2 * WG, prelude=FENCE_PRELUDE if ordered else None) as (cta,):
             group = T.alloc_var("int32")
             group = num_v_heads // num_qk_heads
             Q_s = T.alloc_shared((C, D), dtype)
@@ -275,16 +290,20 @@ def build_chunk_bwd_local(dtype: str, pair_sum: bool = False):
 
             tx = T.get_thread_binding()
             # work items (chunk, v-head), chunk fastest, the real chunks only; CTA cta takes every num_ctas-th
+            # ("ordered": every num_ctas-th (chunk, v-head pair), as two items: the pair's even v-head, then its odd)
             num_chunks = T.alloc_var("int32")
             my_items = T.alloc_var("int32")
             num_chunks = chunk_offsets[num_seqs]
-            my_items = T.max((num_chunks * num_v_heads - cta + num_ctas - 1) // num_ctas, 0)
+            if ordered:
+                my_items = 2 * T.max((num_chunks * (num_v_heads // 2) - cta + num_ctas - 1) // num_ctas, 0)
+            else:
+                my_items = T.max((num_chunks * num_v_heads - cta + num_ctas - 1) // num_ctas, 0)
 
             if my_items > 0:  # the first item's tiles and gates
                 chunk0 = T.alloc_var("int32")
                 hv0 = T.alloc_var("int32")
                 chunk0 = cta % num_chunks
-                hv0 = cta // num_chunks
+                hv0 = cta // num_chunks * (2 if ordered else 1)
                 seq0, s0, n0 = chunk_of_slot(cu_seqlens, chunk_offsets, num_seqs, chunk0, search_steps)
                 if tx < WG:
                     T.tma_copy(v[s0:s0 + C, hv0, 0:D], V_s, barrier=v_full)
@@ -315,8 +334,15 @@ def build_chunk_bwd_local(dtype: str, pair_sum: bool = False):
                     # finish), for both warpgroups: the gradients warpgroup reads them after k_ready
                     item = T.alloc_var("int32")
                     nitem = T.alloc_var("int32")
-                    item = cta + it * num_ctas
-                    nitem = item + num_ctas
+                    if ordered:  # item = v-head x num_chunks + chunk, of pair cta + (it // 2) num_ctas
+                        pair = T.alloc_var("int32")
+                        pair = cta + it // 2 * num_ctas
+                        item = 2 * pair - pair % num_chunks + it % 2 * num_chunks
+                        pair = cta + (it + 1) // 2 * num_ctas
+                        nitem = 2 * pair - pair % num_chunks + (it + 1) % 2 * num_chunks
+                    else:
+                        item = cta + it * num_ctas
+                        nitem = item + num_ctas
                     _, t0_, n_rows_ = chunk_of_slot(cu_seqlens, chunk_offsets, num_seqs, item % num_chunks,
                                                     search_steps)
                     _, nt0_, nn_rows_ = chunk_of_slot(cu_seqlens, chunk_offsets, num_seqs, nitem % num_chunks,
@@ -536,7 +562,7 @@ def build_chunk_bwd_local(dtype: str, pair_sum: bool = False):
                     T.warpgroup_fence_operand(acc_q, num_regs=C * D // WG)
                     # dq leaves through V_new's tile (both products reading it are done)
                     T.copy(acc_q, Vn_s)
-                    if pair_sum:
+                    if summed:
                         T.fence_proxy_async()  # the TMA reduce reads it (after the barrier below)
                     T.wait_wgmma(0)
                     T.warpgroup_fence_operand(acc_k, num_regs=C * D // WG)
@@ -549,7 +575,7 @@ def build_chunk_bwd_local(dtype: str, pair_sum: bool = False):
                         T.barrier_arrive(q_full)
                         T.barrier_arrive(ds_full)
                         T.barrier_arrive(do_full)
-                    leave(Vn_s, dq, t0, hv, n_rows)
+                    leave(Vn_s, dq, t0, hv, n_rows, it % 2 == 0)
                     # dk += diag(gamma_last / gamma) V_new dS^T;  F = that scale o rowsum(K o V_new dS^T) (its sum
                     # joins the last row's dgc)
                     for r, j in T.Parallel(C, D):
@@ -583,10 +609,10 @@ def build_chunk_bwd_local(dtype: str, pair_sum: bool = False):
                     T.warpgroup_fence_operand(acc_k, num_regs=C * D // WG)
                     T.sync_threads(GRADS_BARRIER, WG)  # dq's stores have read Vn_s
                     T.copy(acc_k, Vn_s)  # dk leaves through V_new's tile too
-                    if pair_sum:
+                    if summed:
                         T.fence_proxy_async()
                     T.sync_threads(GRADS_BARRIER, WG)
-                    leave(Vn_s, dk, t0, hv, n_rows)
+                    leave(Vn_s, dk, t0, hv, n_rows, it % 2 == 0)
                     # dg = reverse cumsum of dgc over the rows that exist, plus the last row's sum(F) and gamma_last
                     # <S, dS>, which reach every row: row r of [s >= r] dgc[s] + (F + those shares)[s], summed over s
                     # (the values warpgroup's shares of dgc were written before g_ready)

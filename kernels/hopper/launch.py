@@ -91,10 +91,11 @@ def compiled_chunk_dstates(dtype: str, block_v: int):
 
 
 @functools.lru_cache(maxsize=None)
-def compiled_chunk_bwd_local(dtype: str, pair_sum: bool):
+def compiled_chunk_bwd_local(dtype: str, pair_sum: str):
     """The compiled chunk-local backward (chunk_bwd_local.py) for `dtype` (persistent: launched with the SM count
-    of the device as its last argument); `pair_sum`: dq and dk summed over v-head pairs in the kernel."""
-    label = f"chunk_bwd_local({dtype}, pair_sum)" if pair_sum else f"chunk_bwd_local({dtype})"
+    of the device as its last argument); `pair_sum` ("none", "zeroed", "ordered"): how dq and dk are summed over
+    v-head pairs in the kernel, if they are."""
+    label = f"chunk_bwd_local({dtype})" if pair_sum == "none" else f"chunk_bwd_local({dtype}, {pair_sum})"
     return compile_from("chunk_bwd_local", "build_chunk_bwd_local", label, dtype, pair_sum)
 
 
@@ -126,8 +127,8 @@ def kernel_configs(dtypes=KERNEL_DTYPES):
         yield compiled_wy_inverse, (dtype, False)
         yield compiled_wy_inverse, (dtype, True)
         yield compiled_chunk_output, (dtype,)
-        yield compiled_chunk_bwd_local, (dtype, False)
-        yield compiled_chunk_bwd_local, (dtype, True)
+        for pair_sum in ("none", "zeroed", "ordered"):
+            yield compiled_chunk_bwd_local, (dtype, pair_sum)
         yield compiled_gqa_sum, (dtype,)
         for block_v in BLOCK_V_CHOICES:
             yield compiled_fused_fwd, (dtype, block_v)
