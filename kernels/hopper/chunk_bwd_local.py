@@ -340,13 +340,35 @@ def build_chunk_bwd_local(dtype: str, pair_sum: str = "none"):
                         item = 2 * pair - pair % num_chunks + it % 2 * num_chunks
                         pair = cta + (it + 1) // 2 * num_ctas
                         nitem = 2 * pair - pair % num_chunks + (it + 1) % 2 * num_chunks
+                        # one search per pair: this item's chunk was the previous item's next (the first item's is
+                        # searched), and the next item's is this one's (the pair's odd v-head) or searched
+                        t0_ = T.alloc_var("int32")
+                        n_rows_ = T.alloc_var("int32")
+                        nt0_ = T.alloc_var("int32")
+                        nn_rows_ = T.alloc_var("int32")
+                        if it == 0:
+                            _, first_t0, first_rows = chunk_of_slot(cu_seqlens, chunk_offsets, num_seqs,
+                                                                    item % num_chunks, search_steps)
+                            t0_ = first_t0
+                            n_rows_ = first_rows
+                        else:
+                            t0_ = work_sh[1 - buf, 3]
+                            n_rows_ = work_sh[1 - buf, 7]
+                        if it % 2 == 0:
+                            nt0_ = t0_
+                            nn_rows_ = n_rows_
+                        else:
+                            _, pair_t0, pair_rows = chunk_of_slot(cu_seqlens, chunk_offsets, num_seqs,
+                                                                  nitem % num_chunks, search_steps)
+                            nt0_ = pair_t0
+                            nn_rows_ = pair_rows
                     else:
                         item = cta + it * num_ctas
                         nitem = item + num_ctas
-                    _, t0_, n_rows_ = chunk_of_slot(cu_seqlens, chunk_offsets, num_seqs, item % num_chunks,
-                                                    search_steps)
-                    _, nt0_, nn_rows_ = chunk_of_slot(cu_seqlens, chunk_offsets, num_seqs, nitem % num_chunks,
-                                                      search_steps)
+                        _, t0_, n_rows_ = chunk_of_slot(cu_seqlens, chunk_offsets, num_seqs, item % num_chunks,
+                                                        search_steps)
+                        _, nt0_, nn_rows_ = chunk_of_slot(cu_seqlens, chunk_offsets, num_seqs, nitem % num_chunks,
+                                                          search_steps)
                     t0, n_rows, hv, nt0, nhv, nchunk, nkh, nn_rows = begin_item(
                         work_sh, gam_sh, tail_sh, gc_sh, buf, item, nitem, num_chunks, group, t0_, n_rows_, nt0_,
                         nn_rows_)
