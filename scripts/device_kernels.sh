@@ -2,7 +2,10 @@
 # One H200 session for the TileLang kernels: GPU tests, cold-compile time, forward and backward benchmarks.
 # Run from the repo root on the device machine with `.devsite` and `.devkernels` (or `.tilelang_cache`)
 # carried; logs go to $OUT. Usage: scripts/device_kernels.sh MODES [extra bench_gdn.py arguments...], MODES one of
-# tests|cold|bench|bwd|profile|layer|walks|ab|flacheck|all or several comma-separated (e.g. ab,tests; all leaves out ab)
+# pending|tests|cold|bench|bwd|profile|layer|walks|ab|flacheck|all or several comma-separated (e.g. ab,tests; all leaves
+# out ab and pending); they run in this order
+#   pending: scripts/pending_variants.sh run, the docs/pending/ patches A/B'd against the committed kernel (carry
+#          .devvar, built here with `scripts/pending_variants.sh build`; PENDING_CONFIGS to change the configs)
 #   ab:    scripts/ab_kernel.py run $AB_ARGS: a kernel variant against the committed kernel, outputs and time side by
 #          side; the variant's TileLang cache, built here with `ab_kernel.py compile ... --cache DIR` and carried
 #          in .devvar (cache.tar.xz, or the folder cache/), is merged into the kernels' cache (device_setup.sh)
@@ -20,10 +23,15 @@
 set -uo pipefail
 what=${1:-all}
 shift || true
-runs() { [[ ,$what, == *,$1,* || ($what == all && $1 != ab) ]]; }
+runs() { [[ ,$what, == *,$1,* || ($what == all && $1 != ab && $1 != pending) ]]; }
 OUT=${OUT:-/tmp/out}
 source scripts/device_setup.sh || exit 1
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv | tee "$OUT/gpu.txt"
+
+if runs pending; then
+  # shellcheck disable=SC2086
+  timeout -k 20 "${PENDING_TIMEOUT:-420}" bash scripts/pending_variants.sh run ${PENDING_CONFIGS:-} 2>&1 | tail -60
+fi
 
 if runs tests; then
   # the first-call latency test JIT-compiles from an empty cache (about 4 minutes): only with TESTS_FIRST_CALL=1

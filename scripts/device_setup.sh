@@ -35,3 +35,4 @@ if [[ -f .devpeer/fla_triton.tar.xz ]]; then
   tar xJf .devpeer/fla_triton.tar.xz -C /tmp && export TRITON_CACHE_DIR=/tmp/fla_triton_cache
 fi
 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >"$OUT/pip.log" 2>&1 || { cat "$OUT/pip.log"; return 1; }
+export FLASHQLA_DEVICE_SETUP=done  # a script sourced by another that did the setup skips it

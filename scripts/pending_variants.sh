@@ -36,7 +36,9 @@ case $mode in
   run)
     set +e  # device_setup.sh is sourced; a variant that fails is reported and the next one runs
     export OUT=${OUT:-/tmp/out}
-    source scripts/device_setup.sh >/dev/null 2>&1 || { echo "device_setup failed"; exit 1; }
+    if [[ ${FLASHQLA_DEVICE_SETUP:-} != done ]]; then
+      source scripts/device_setup.sh >/dev/null 2>&1 || { echo "device_setup failed"; exit 1; }
+    fi
     for patch in docs/pending/*.patch; do
       name=$(basename "$patch" .patch)
       kernel=$(kernel_of "$patch")
