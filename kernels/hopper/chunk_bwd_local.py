@@ -42,14 +42,17 @@ caller sums dq and dk over GQA groups, accumulating in fp32), dg [Hv, T] and dbe
 leave through shared memory (dq and dk through V_new's tile once both products that read it are done, dv
 through the tile that holds it for dk's last term), 16 bytes per thread and store.
 
-GQA pair sums (the `pair_sum` build, for an even number of v-heads per k-head): v-heads 2m and 2m + 1 read
-the same Q and K, so their dq (and dk) tiles add into row m of a [T, Hv / 2, 128] output the caller zeroed,
-each by one TMA reduce of the whole tile (`cp.reduce.async.bulk.tensor ... .add`, performed in L2). Two
-16-bit addends into a zero give the same bits in either order (0 + a is exact, a + b is rounded once), so the
-result is deterministic and equal to the GQA sum's at 2 v-heads per k-head, which then does not run; at 4 or
-8 it sums half the rows. The reduce covers all 64 rows: rows past the sequence end are zero (each term of dq
-and dk there is a product with a zeroed row of dO, Q, K, V' or G, or with beta = 0), so they add nothing to
-the next sequence's rows, and the TMA unit drops rows past T.
+GQA pair sums (the `pair_sum` builds, for an even number of v-heads per k-head): v-heads 2m and 2m + 1 read
+the same Q and K, so their dq (and dk) tiles meet in row m of a [T, Hv / 2, 128] output. "zeroed": the caller
+zeroes it and every item adds its tile by one TMA reduce (`cp.reduce.async.bulk.tensor ... .add`, performed in
+L2). "ordered": a CTA takes both v-heads of a chunk as consecutive items, the even one storing its rows (then
+`fence.proxy.async`, so the async proxy sees them), the odd one adding its tile by TMA reduce an item later;
+no zeroing, and the two items of a pair share one search of `chunk_offsets`. Two 16-bit addends give the same
+bits in either order (0 + a is exact, a + b is rounded once), so the result is deterministic and equal to the
+GQA sum's at 2 v-heads per k-head, which then does not run; at 4 or 8 it sums half the rows. A reduce covers
+all 64 rows: rows past the sequence end are zero (each term of dq and dk there is a product with a zeroed row
+of dO, Q, K, V' or G, or with beta = 0), so they leave the next sequence's rows as they are, before or after
+those rows' own writers; the TMA unit drops rows past T.
 
 Persistent: `num_ctas` CTAs (one per SM: one fits by registers and shared memory) take every num_ctas-th
 item of the real chunks (chunk fastest), so that the next item's tiles load while this one computes. Each
@@ -114,7 +117,8 @@ WARPGROUP = 128
 VALUES_BARRIER, GRADS_BARRIER = 12, 13  # named barriers of one warpgroup (TileLang's own start at 3)
 PAIR_SUMS = ("none", "zeroed", "ordered")  # the builds' `pair_sum`: how a v-head pair's tiles meet, if they do
 # the fence TileLang lacks: generic-proxy writes to global memory before an async-proxy (TMA) access to them
-FENCE_PRELUDE = '\n__device__ __forceinline__ void fence_proxy_async_all() { asm volatile("fence.proxy.async;" ::: "memory"); }\n'
+FENCE_PRELUDE = ('\n__device__ __forceinline__ void fence_proxy_async_all() '
+                 '{ asm volatile("fence.proxy.async;" ::: "memory"); }\n')
 
 
 def build_chunk_bwd_local(dtype: str, pair_sum: str = "none"):
