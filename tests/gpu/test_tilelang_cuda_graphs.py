@@ -34,7 +34,11 @@ PACKS = {"pack": [700, 1, 2395], "one sequence": [3000]}
 
 @pytest.mark.parametrize("lengths", PACKS.values(), ids=PACKS.keys())
 @pytest.mark.parametrize("intra_cp", ["off", 4])
-def test_forward_and_backward_replay_from_a_cuda_graph(intra_cp, lengths):
+@pytest.mark.parametrize("pair_sum", ["none", "zeroed", "ordered"])
+def test_forward_and_backward_replay_from_a_cuda_graph(intra_cp, lengths, pair_sum, monkeypatch):
+    """(pair_sum: the backward's GQA sums inside chunk_bwd_local, FLASHQLA_GQA_PAIR_SUM; "zeroed" captures the
+    memset of its outputs.)"""
+    monkeypatch.setenv("FLASHQLA_GQA_PAIR_SUM", pair_sum)
     call = make_call(lengths, 2, 8)
     cu = call["cu_seqlens"]
     N = len(lengths)
