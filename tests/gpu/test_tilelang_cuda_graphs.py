@@ -34,7 +34,7 @@ PACKS = {"pack": [700, 1, 2395], "one sequence": [3000]}
 
 @pytest.mark.parametrize("lengths", PACKS.values(), ids=PACKS.keys())
 @pytest.mark.parametrize("intra_cp", ["off", 4])
-@pytest.mark.parametrize("pair_sum", ["none", "zeroed", "ordered"])
+@pytest.mark.parametrize("pair_sum", ["none", "zeroed", "ordered"], ids=["pair_none", "pair_zeroed", "pair_ordered"])
 def test_forward_and_backward_replay_from_a_cuda_graph(intra_cp, lengths, pair_sum, monkeypatch):
     """(pair_sum: the backward's GQA sums inside chunk_bwd_local, FLASHQLA_GQA_PAIR_SUM; "zeroed" captures the
     memset of its outputs.)"""
