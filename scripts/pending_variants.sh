@@ -5,17 +5,19 @@
 #   the device: bash scripts/pending_variants.sh run [CONFIGS]   # carry [".devsite", ".devkernels", ".devvar"]
 # A patch names its kernel in its first line (--- a/kernels/hopper/<kernel>.py); every variant is built and run with
 # that kernel's builder, `build_<kernel>`, for bfloat16 (chunk_bwd_local: its default build, without the GQA pair
-# sums; BUILD_ARGS to change it).
+# sums; BUILD_ARGS to change it). PAIR_SUMS="none ordered" (build and run alike) A/Bs each chunk_bwd_local patch in
+# each of those builds too, the launch recorded with FLASHQLA_GQA_PAIR_SUM set to match.
 set -euo pipefail
 mode=${1:?build or run}
 configs=${2:-16:32:4096x8,16:32:32768x1,16:64:8192x4,4:8:8192x4,2:4:32768x1,2:4:8192x1,2:8:1000x3}
 kernel_of() { sed -n '1s|^--- a/kernels/hopper/\(.*\)\.py$|\1|p' "$1"; }
 # the launch the A/B records is the one with these build arguments (the public op's default for the kernel)
-build_args_of() {
+build_args_of() {  # KERNEL PAIR_SUM
   if [[ -n ${BUILD_ARGS:-} ]]; then echo "$BUILD_ARGS"
-  elif [[ $1 == chunk_bwd_local ]]; then echo "bfloat16 none"
+  elif [[ $1 == chunk_bwd_local ]]; then echo "bfloat16 $2"
   else echo "bfloat16"; fi
 }
+pair_sums_of() { if [[ $1 == chunk_bwd_local ]]; then echo "${PAIR_SUMS:-none}"; else echo none; fi; }
 case $mode in
   build)
     python=${PYTHON:-.venv/bin/python}
@@ -26,9 +28,11 @@ case $mode in
       kernel=$(kernel_of "$patch")
       cp "kernels/hopper/$kernel.py" ".devvar/$name.py"
       patch -s ".devvar/$name.py" "$patch"  # its relative imports resolve (kernel_resources.load_builder)
-      # shellcheck disable=SC2086
-      $python scripts/ab_kernel.py compile ".devvar/$name.py" "build_$kernel" $(build_args_of "$kernel") --cache "$cache" 2>&1 \
-        | { grep -v Warning || true; } | tail -1
+      for pair_sum in $(pair_sums_of "$kernel"); do
+        # shellcheck disable=SC2086
+        $python scripts/ab_kernel.py compile ".devvar/$name.py" "build_$kernel" $(build_args_of "$kernel" "$pair_sum") \
+          --cache "$cache" 2>&1 | { grep -v Warning || true; } | tail -1 || true  # (a build a patch refuses)
+      done
     done
     tar cJf .devvar/cache.tar.xz -C "$(dirname "$cache")" varcache
     ls -la .devvar/cache.tar.xz
@@ -42,9 +46,13 @@ case $mode in
     for patch in docs/pending/*.patch; do
       name=$(basename "$patch" .patch)
       kernel=$(kernel_of "$patch")
-      # shellcheck disable=SC2086
-      timeout 300 python3 scripts/ab_kernel.py run "$kernel" ".devvar/$name.py" "build_$kernel" $(build_args_of "$kernel") \
-        --configs "$configs" 2>&1 | grep -v Warning | grep "x)" | tee -a "$OUT/pending_ab.log" || true
+      for pair_sum in $(pair_sums_of "$kernel"); do
+        echo "== $name (pair_sum $pair_sum)" | tee -a "$OUT/pending_ab.log"
+        # shellcheck disable=SC2086
+        FLASHQLA_GQA_PAIR_SUM=$pair_sum timeout 300 python3 scripts/ab_kernel.py run "$kernel" ".devvar/$name.py" \
+          "build_$kernel" $(build_args_of "$kernel" "$pair_sum") --configs "$configs" 2>&1 | grep -v Warning \
+          | grep "x)" | tee -a "$OUT/pending_ab.log" || true
+      done
     done
     ;;
   *) echo "usage: $0 build|run [CONFIGS]"; exit 1 ;;
