@@ -242,7 +242,7 @@ def test_kernel_backward_sums_gqa_pairs_in_the_kernel_when_switched_on(hopper, m
     all at 2); at an odd group nothing changes. Every gradient equals the default path's: bitwise at groups 2 and
     3, within bf16's rounding at 4 (two roundings more), and against the torch backend within the kernels'
     limits. An unknown mode is refused."""
-    from flashqla.kernels.hopper import backward, launch
+    from flashqla.kernels.hopper import backward
     from flashqla.ops import torch_backend
 
     args, cu = call([1, 65, 130, 64, 7], Hqk=Hqk, Hv=Hv, seed=17)

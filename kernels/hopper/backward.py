@@ -23,7 +23,7 @@ import os
 
 import torch
 
-from .launch import (HEAD_DIM, ChunkedCall, block_v_on, compiled_chunk_bwd_local, compiled_chunk_dstates,
+from .launch import (HEAD_DIM, PAIR_SUMS, ChunkedCall, block_v_on, compiled_chunk_bwd_local, compiled_chunk_dstates,
                      compiled_gqa_sum, fused_states, prepare, prepare_from_kept, sm_count_on, walks_fill)
 
 
@@ -62,9 +62,9 @@ def sums_pairs(group: int) -> str:
     rounded once, in either order). Chosen by FLASHQLA_GQA_PAIR_SUM=zeroed|ordered; off otherwise, as neither
     has run on a GPU yet (docs/kernels.md, "Thirty-ninth session")."""
     mode = os.environ.get(PAIR_SUM_ENV, "").strip().lower()
-    if mode in ("", "0", "off", "none"):
-        return "none"
-    if mode not in ("zeroed", "ordered"):
+    if mode in ("", "0", "off"):
+        mode = "none"
+    if mode not in PAIR_SUMS:
         raise ValueError(f"{PAIR_SUM_ENV}={mode!r}: expected zeroed, ordered or none")
     return mode if group % 2 == 0 else "none"
 

@@ -109,13 +109,13 @@ import tilelang.language as T
 from tilelang.cuda.language import atomic_add
 
 from .chunk_map import chunk_of_slot
+from .launch import PAIR_SUMS
 
 CHUNK = 64
 HEAD_DIM = 128
 LOG2E = 1.4426950408889634
 WARPGROUP = 128
 VALUES_BARRIER, GRADS_BARRIER = 12, 13  # named barriers of one warpgroup (TileLang's own start at 3)
-PAIR_SUMS = ("none", "zeroed", "ordered")  # the builds' `pair_sum`: how a v-head pair's tiles meet, if they do
 # the fence TileLang lacks: generic-proxy writes to global memory before an async-proxy (TMA) access to them
 FENCE_PRELUDE = ('\n__device__ __forceinline__ void fence_proxy_async_all() '
                  '{ asm volatile("fence.proxy.async;" ::: "memory"); }\n')

@@ -37,6 +37,9 @@ ALWAYS_M = 4  # M_j is read whatever the warmup (the backward's scan into a give
 FORCE_S = 8  # S*_j over the whole row (the state leaving the call)
 FORCE_M = 16  # M_j likewise
 
+# chunk_bwd_local's builds (its `pair_sum`): how the dq and dk of a v-head pair meet in the kernel, if they do
+PAIR_SUMS = ("none", "zeroed", "ordered")
+
 _TORCH_TO_TL = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 KERNEL_DTYPES = tuple(_TORCH_TO_TL.values())
 
@@ -127,7 +130,7 @@ def kernel_configs(dtypes=KERNEL_DTYPES):
         yield compiled_wy_inverse, (dtype, False)
         yield compiled_wy_inverse, (dtype, True)
         yield compiled_chunk_output, (dtype,)
-        for pair_sum in ("none", "zeroed", "ordered"):
+        for pair_sum in PAIR_SUMS:
             yield compiled_chunk_bwd_local, (dtype, pair_sum)
         yield compiled_gqa_sum, (dtype,)
         for block_v in BLOCK_V_CHOICES:
