@@ -4,10 +4,11 @@
 #                                                          # compiled for sm_90a, packed as .devvar/cache.tar.xz
 #   the device: bash scripts/pending_variants.sh run [CONFIGS]   # carry [".devsite", ".devkernels", ".devvar"]
 # A patch names its kernel in its first line (--- a/kernels/hopper/<kernel>.py); every variant is built and run with
-# that kernel's builder, `build_<kernel>`, for bfloat16 (chunk_bwd_local: its default build, without the GQA pair
-# sums; BUILD_ARGS to change it). PAIR_SUMS="none ordered" (build and run alike) A/Bs each chunk_bwd_local patch in
-# each of those builds too, the launch recorded with FLASHQLA_GQA_PAIR_SUM set to match.
+# that kernel's builder, `build_<kernel>`, for bfloat16 (BUILD_ARGS to change it). A chunk_bwd_local patch is A/B'd in
+# each of the builds in PAIR_SUMS (build and run alike; default "none ordered": odd and even GQA groups), the launch
+# recorded with FLASHQLA_GQA_PAIR_SUM set to match.
 set -euo pipefail
+shopt -s nullglob  # no patch waiting: nothing to do
 mode=${1:?build or run}
 configs=${2:-16:32:4096x8,16:32:32768x1,16:64:8192x4,4:8:8192x4,2:4:32768x1,2:4:8192x1,2:8:1000x3}
 kernel_of() { sed -n '1s|^--- a/kernels/hopper/\(.*\)\.py$|\1|p' "$1"; }
@@ -17,7 +18,7 @@ build_args_of() {  # KERNEL PAIR_SUM
   elif [[ $1 == chunk_bwd_local ]]; then echo "bfloat16 $2"
   else echo "bfloat16"; fi
 }
-pair_sums_of() { if [[ $1 == chunk_bwd_local ]]; then echo "${PAIR_SUMS:-none}"; else echo none; fi; }
+pair_sums_of() { if [[ $1 == chunk_bwd_local ]]; then echo "${PAIR_SUMS:-none ordered}"; else echo none; fi; }
 case $mode in
   build)
     python=${PYTHON:-.venv/bin/python}
@@ -49,7 +50,7 @@ case $mode in
       for pair_sum in $(pair_sums_of "$kernel"); do
         echo "== $name (pair_sum $pair_sum)" | tee -a "$OUT/pending_ab.log"
         # shellcheck disable=SC2086
-        FLASHQLA_GQA_PAIR_SUM=$pair_sum timeout 300 python3 scripts/ab_kernel.py run "$kernel" ".devvar/$name.py" \
+        FLASHQLA_GQA_PAIR_SUM=$([[ $pair_sum == none ]] && echo 0 || echo 1) timeout 300 python3 scripts/ab_kernel.py run "$kernel" ".devvar/$name.py" \
           "build_$kernel" $(build_args_of "$kernel" "$pair_sum") --configs "$configs" 2>&1 | grep -v Warning \
           | grep "x)" | tee -a "$OUT/pending_ab.log" || true
       done

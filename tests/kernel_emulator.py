@@ -184,9 +184,8 @@ def emulate_chunk_bwd_local(q, k, v, do, GA, gcum, beta, h, dh, cu, offsets, dq,
                             search_steps, num_ctas, pair_sum="none"):
     """reference.chunk_backward per chunk on its zero-padded rows (the kernel's masking), dg summed; its A is
     GA / Gamma (0 where Gamma underflows: those entries of GA are 0 and reach no gradient term beyond it).
-    pair_sum: dq and dk [T, Hv / 2, 128] hold each v-head pair's sum of its rows rounded to the dtype, added to
-    what is there ("zeroed": the kernel's TMA reduces into the caller's zeros) or in place of it ("ordered": the
-    pair's first v-head stores, the second adds)."""
+    pair_sum "ordered": dq and dk [T, Hv / 2, 128] hold each v-head pair's sum of its rows, each rounded to the
+    dtype, in place of what is there (the pair's first v-head stores, the second adds)."""
     from flashqla.kernels.hopper import launch
     from flashqla.ops import reference
 
@@ -212,8 +211,6 @@ def emulate_chunk_bwd_local(q, k, v, do, GA, gcum, beta, h, dh, cu, offsets, dq,
             for out, grad in ((dq, gq), (dk, gk)):
                 each = grad[0, 0, :, :rows].to(out.dtype).float()  # [Hv, rows, D], rounded per v-head
                 pairs = each[0::2].movedim(0, 1) + each[1::2].movedim(0, 1)
-                if pair_sum == "zeroed":
-                    pairs = pairs + out[t0:t0 + rows].float()
                 out[t0:t0 + rows] = pairs.to(out.dtype)
         dg[:, t0:t0 + rows] = reference.gate_gradient(ggc)[0, 0, :, :rows].to(dg.dtype)
 

@@ -23,7 +23,7 @@ import os
 
 import torch
 
-from .launch import (HEAD_DIM, PAIR_SUMS, ChunkedCall, block_v_on, compiled_chunk_bwd_local, compiled_chunk_dstates,
+from .launch import (HEAD_DIM, ChunkedCall, block_v_on, compiled_chunk_bwd_local, compiled_chunk_dstates,
                      compiled_gqa_sum, fused_states, prepare, prepare_from_kept, sm_count_on, walks_fill)
 
 
@@ -55,18 +55,13 @@ PAIR_SUM_ENV = "FLASHQLA_GQA_PAIR_SUM"
 
 def sums_pairs(group: int) -> str:
     """How chunk_bwd_local sums the dq and dk of v-heads 2m and 2m + 1 into one row (its `pair_sum` build), at a
-    GQA group of `group` v-heads per k-head: "none" (odd groups, and the default), "zeroed" (each
-    v-head's tiles added by TMA reduce into outputs zeroed here) or "ordered" (one CTA takes both v-heads of a
-    chunk, the second adding to what the first stored: no zeroing). No GQA sum runs then at 2 v-heads per k-head,
-    and it sums half the rows at 4 or 8; the G = 2 outputs equal the GQA sum's (a sum of two 16-bit values
-    rounded once, in either order). Chosen by FLASHQLA_GQA_PAIR_SUM=zeroed|ordered; off otherwise, as neither
-    has run on a GPU yet (docs/kernels.md, "Thirty-ninth session")."""
-    mode = os.environ.get(PAIR_SUM_ENV, "").strip().lower()
-    if mode in ("", "0", "off"):
-        mode = "none"
-    if mode not in PAIR_SUMS:
-        raise ValueError(f"{PAIR_SUM_ENV}={mode!r}: expected zeroed, ordered or none")
-    return mode if group % 2 == 0 else "none"
+    GQA group of `group` v-heads per k-head: "ordered" at an even group (one CTA takes both v-heads of a chunk,
+    the second adding its tiles to what the first stored), "none" at an odd one. No GQA sum runs then at 2
+    v-heads per k-head, and it sums half the rows at 4 or 8; the G = 2 outputs equal the GQA sum's (a sum of two
+    16-bit values rounded once, in either order). 4-6% off the backward at (16, 32) (docs/kernels.md, "Fortieth
+    session"); FLASHQLA_GQA_PAIR_SUM=0 (or off/false/no) turns it off, for A/B runs and bisecting."""
+    on = os.environ.get(PAIR_SUM_ENV, "1").strip().lower() not in ("0", "off", "false", "no")
+    return "ordered" if on and group % 2 == 0 else "none"
 
 
 def output_gradient(x: ChunkedCall, do: torch.Tensor) -> torch.Tensor:
@@ -122,8 +117,8 @@ def backward_of(x: ChunkedCall, q, k, v, g, beta, do, scale, h0, dht):
     # T x Hv x 512 bytes less memory at the peak); the sums accumulate in fp32 and round once more
     group = Hv // Hqk
     pair_sum = sums_pairs(group)
-    dq, dk = ((torch.zeros if pair_sum == "zeroed" else torch.empty)(
-        B * T, Hv if pair_sum == "none" else Hv // 2, D, dtype=do.dtype, device=device) for _ in range(2))
+    dq, dk = (torch.empty(B * T, Hv if pair_sum == "none" else Hv // 2, D, dtype=do.dtype, device=device)
+              for _ in range(2))
     dv = torch.empty(B * T, Hv, D, dtype=do.dtype, device=device)
     dg = torch.empty(Hv, B * T, dtype=torch.float32, device=device)
     dbeta = torch.empty(B * T, Hv, dtype=torch.float32, device=device)

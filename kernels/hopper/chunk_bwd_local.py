@@ -42,17 +42,18 @@ caller sums dq and dk over GQA groups, accumulating in fp32), dg [Hv, T] and dbe
 leave through shared memory (dq and dk through V_new's tile once both products that read it are done, dv
 through the tile that holds it for dk's last term), 16 bytes per thread and store.
 
-GQA pair sums (the `pair_sum` builds, for an even number of v-heads per k-head): v-heads 2m and 2m + 1 read
-the same Q and K, so their dq (and dk) tiles meet in row m of a [T, Hv / 2, 128] output. "zeroed": the caller
-zeroes it and every item adds its tile by one TMA reduce (`cp.reduce.async.bulk.tensor ... .add`, performed in
-L2). "ordered": a CTA takes both v-heads of a chunk as consecutive items, the even one storing its rows (then
-`fence.proxy.async`, so the async proxy sees them), the odd one adding its tile by TMA reduce an item later;
-no zeroing, and the two items of a pair share one search of `chunk_offsets`. Two 16-bit addends give the same
-bits in either order (0 + a is exact, a + b is rounded once), so the result is deterministic and equal to the
-GQA sum's at 2 v-heads per k-head, which then does not run; at 4 or 8 it sums half the rows. A reduce covers
-all 64 rows: rows past the sequence end are zero (each term of dq and dk there is a product with a zeroed row
-of dO, Q, K, V' or G, or with beta = 0), so they leave the next sequence's rows as they are, before or after
-those rows' own writers; the TMA unit drops rows past T.
+GQA pair sums (the "ordered" `pair_sum` build, for an even number of v-heads per k-head): v-heads 2m and
+2m + 1 read the same Q and K, so their dq (and dk) tiles meet in row m of a [T, Hv / 2, 128] output. A CTA
+takes both v-heads of a chunk as consecutive items, the even one storing its rows (then `fence.proxy.async`,
+so the async proxy sees them), the odd one adding its tile by one TMA reduce (`cp.reduce.async.bulk.tensor
+... .add`, performed in L2) an item later; no zeroing, and the two items of a pair share one search of
+`chunk_offsets`. Two 16-bit addends give the same bits in either order (0 + a is exact, a + b is rounded
+once), so the result is deterministic and equal to the GQA sum's at 2 v-heads per k-head, which then does not
+run; at 4 or 8 it sums half the rows. A reduce covers all 64 rows: rows past the sequence end are zero (each
+term of dq and dk there is a product with a zeroed row of dO, Q, K, V' or G, or with beta = 0), so they leave
+the next sequence's rows as they are, before or after those rows' own writers; the TMA unit drops rows past
+T. (A build where every item reduced into outputs the caller had zeroed timed from 2% faster to 5% slower and
+was dropped, docs/kernels.md "Fortieth session".)
 
 Persistent: `num_ctas` CTAs (one per SM: one fits by registers and shared memory) take every num_ctas-th
 item of the real chunks (chunk fastest), so that the next item's tiles load while this one computes. Each
@@ -124,24 +125,31 @@ FENCE_PRELUDE = ('\n__device__ __forceinline__ void fence_proxy_async_all() '
 def build_chunk_bwd_local(dtype: str, pair_sum: str = "none"):
     """The kernel for input dtype `dtype`; the number of persistent CTAs (the SM count) is a runtime argument, so
     one build serves every device. With a `pair_sum` (an even GQA group: v-heads 2m and 2m + 1 read the same k-head)
-    dq and dk are [T, Hv / 2, 128] and each pair's tiles are summed there (see "GQA pair sums" above): "zeroed",
-    the caller zeroes them and each v-head adds its tiles by TMA reduce; "ordered", one CTA takes both v-heads of a
-    chunk one after the other, the first storing its tiles and the second adding to them."""
+    dq and dk are [T, Hv / 2, 128] and each pair's tiles are summed there (see "GQA pair sums" above): with
+    "ordered", one CTA takes both v-heads of a chunk one after the other, the first storing its tiles and the
+    second adding to them."""
     if pair_sum not in PAIR_SUMS:
         raise ValueError(f"pair_sum must be one of {PAIR_SUMS}, got {pair_sum!r}")
-    summed, ordered = pair_sum != "none", pair_sum == "ordered"  # (TileLang folds Python bools silently)
+    ordered = pair_sum == "ordered"  # (TileLang folds Python bools silently)
     num_tokens = T.dynamic("num_tokens")
     num_qk_heads = T.dynamic("num_qk_heads")
     num_v_heads = T.dynamic("num_v_heads")
-    num_dqk_heads = T.dynamic("num_v_pairs") if summed else num_v_heads
+    num_dqk_heads = T.dynamic("num_v_pairs") if ordered else num_v_heads
     num_seqs = T.dynamic("num_seqs")
     num_chunk_slots = T.dynamic("num_chunk_slots")
     C, D, WG = CHUNK, HEAD_DIM, WARPGROUP
 
     def gamma_mask(gc_sh, buf, r, s, strict):
-        """Gamma_rs = gamma_r / gamma_s on and below the diagonal (strictly below with `strict`), else 0. A select,
-        not a branch: both sides are evaluated (above the diagonal the exponent may be large; it is discarded)."""
+        """Gamma_rs = gamma_r / gamma_s on and below the diagonal (strictly below with `strict`), else 0. TileLang
+        writes the select as C's `?:`, and nvcc branches per element around the exp2 and its two gate loads."""
         return T.Select(r > s if strict else r >= s, T.exp2(gc_sh[buf, r] - gc_sh[buf, s]), 0.0)
+
+    def gamma_mask_unbranched(gc_sh, buf, r, s, strict):
+        """gamma_mask without a branch per element: the select is of constants (the exponent pushed to -1e30 above
+        the diagonal, exp2 of it +0), so the gate loads and the exp2 are unconditional; on and below the diagonal
+        the same bits. Used in the dL and P passes (2-4% of the kernel, docs/kernels.md "Fortieth session"); in
+        the dP o Gamma pass as well it gained nothing more (the hoisted gates cost registers)."""
+        return T.exp2(gc_sh[buf, r] - gc_sh[buf, s] + T.if_then_else(r > s if strict else r >= s, 0.0, -1e30))
 
     @T.macro
     def store_rows(tile, out, t0, hv, n_rows):
@@ -152,9 +160,9 @@ def build_chunk_bwd_local(dtype: str, pair_sum: str = "none"):
 
     @T.macro
     def leave(tile, out, t0, hv, n_rows, first):
-        """dq or dk of v-head hv from shared memory: its rows (`store_rows`), or with `pair_sum` into pair hv // 2: the
-        whole chunk added by one TMA reduce, issued by one thread, which waits until the tile is read ("ordered": the
-        pair's `first` v-head stores its rows instead, and fences them for the second one's reduce). Rows past the
+        """dq or dk of v-head hv from shared memory: its rows (`store_rows`), or "ordered" into pair hv // 2: the
+        pair's `first` v-head stores its rows and fences them for the second one's whole chunk, added by one TMA
+        reduce, issued by one thread, which waits until the tile is read. Rows past the
         sequence end are zero there (built from zeroed Q, K, dO, V', G rows) and leave the rows they land on as they
         are, whatever order their own writers come in, so a partial chunk needs no mask; rows past T are clipped by
         the TMA unit."""
@@ -164,8 +172,6 @@ def build_chunk_bwd_local(dtype: str, pair_sum: str = "none"):
                 T.call_extern("handle", "fence_proxy_async_all")
             else:
                 atomic_add(out[t0:t0 + C, hv // 2, 0:D], tile, use_tma=True)
-        elif summed:
-            atomic_add(out[t0:t0 + C, hv // 2, 0:D], tile, use_tma=True)
         else:
             store_rows(tile, out, t0, hv, n_rows)
 
@@ -258,14 +264,13 @@ def build_chunk_bwd_local(dtype: str, pair_sum: str = "none"):
             dGA = T.alloc_fragment((C, C), "float32")  # dGamma_A
             dL = T.alloc_fragment((C, C), "float32")
             KK = T.alloc_fragment((C, C), "float32")
-            SdS = T.alloc_fragment((C, D), "float32")
             rows_A = T.alloc_fragment((C,), "float32")
             beta_rows = T.alloc_fragment((C,), "float32")
             rows_Vn = T.alloc_fragment((C,), "float32")
             rows_dX = T.alloc_fragment((C,), "float32")
             rows_L = T.alloc_fragment((C,), "float32")
-            rows_SdS = T.alloc_fragment((C,), "float32")
             # the gradients warpgroup's
+            rows_SdS = T.alloc_fragment((C,), "float32")
             PY = T.alloc_fragment((C, C), "float32")
             acc_q = T.alloc_fragment((C, D), "float32")
             VndS = T.alloc_fragment((C, D), "float32")  # Q o dO S^T first, then V_new dS^T
@@ -401,15 +406,7 @@ def build_chunk_bwd_local(dtype: str, pair_sum: str = "none"):
                     T.barrier_wait(ds_full, par)
                     T.wgmma_gemm(K_s[buf, :, :], S_s, KS, clear_accum=True)
                     T.wgmma_gemm(K_s[buf, :, :], dS_s, KdS, clear_accum=True)
-                    # while they run: gamma_last <S, dS> by row of S (it joins dgc of the last row), in two row
-                    # halves, so that S and dS are free once the products are done; and the next item's gates
-                    for half in T.serial(2):
-                        for r, j in T.Parallel(C, D):
-                            SdS[r, j] = S_s[half * C + r, j] * dS_s[half * C + r, j]
-                        T.reduce_sum(SdS, rows_SdS, dim=1)
-                        for r in T.Parallel(C):
-                            dgc_part[buf, 4, r] = (T.if_then_else(half == 0, 0.0, dgc_part[buf, 4, r])
-                                              + T.exp2(gc_sh[buf, C - 1]) * rows_SdS[r])
+                    # while they run: the next item's gates
                     if has_next:
                         gates_of(gcum, beta, nt0, nn_rows, nhv, gc_sh, beta_sh, 1 - buf)
                     for r in T.Parallel(C):  # beta by row in registers: the tiles' stores read no shared memory
@@ -500,7 +497,7 @@ def build_chunk_bwd_local(dtype: str, pair_sum: str = "none"):
                     T.warpgroup_fence_operand(dL, num_regs=C * C // WG)
                     # dL = StrictLower(-Gamma o that); G = diag(beta) dL -> G_s; dbeta += rowsum(dL o K K^T)
                     for r, s in T.Parallel(C, C):
-                        dL[r, s] = -dL[r, s] * gamma_mask(gc_sh, buf, r, s, True)
+                        dL[r, s] = -dL[r, s] * gamma_mask_unbranched(gc_sh, buf, r, s, True)
                     T.sync_threads(VALUES_BARRIER, WG)  # every warp's part of the product has read G_s and GA_s
                     if has_next:
                         T.tma_copy(GA[nt0:nt0 + C, nhv, 0:C], GA_s, barrier=ga_full)
@@ -541,12 +538,22 @@ def build_chunk_bwd_local(dtype: str, pair_sum: str = "none"):
                     T.barrier_wait(do_full, par)
                     T.barrier_wait(s_full, par)
                     T.wgmma_gemm(dO_s, S_s, acc_q, transpose_B=True, clear_accum=True)
+                    # while they run: gamma_last <S, dS> by row of S (it joins dgc of the last row), in two row halves
+                    # (moved here from the values warpgroup, the kernel's critical path)
+                    T.barrier_wait(ds_full, par)
+                    for half in T.serial(2):
+                        for r, j in T.Parallel(C, D):
+                            VndS[r, j] = S_s[half * C + r, j] * dS_s[half * C + r, j]
+                        T.reduce_sum(VndS, rows_SdS, dim=1)
+                        for r in T.Parallel(C):
+                            dgc_part[buf, 4, r] = (T.if_then_else(half == 0, 0.0, dgc_part[buf, 4, r])
+                                                   + gam_sh[buf, C - 1] * rows_SdS[r])
                     T.wait_wgmma(1)
                     T.warpgroup_fence_operand(PY, num_regs=C * C // WG)
                     # scale P = scale Gamma o Q K^T -> sP_s for the values warpgroup's dV_new; PY keeps it rounded
                     # as sP_s holds it (E_P's row sum stands in for colsum(E_P) through dV_new, (D2))
                     for r, s in T.Parallel(C, C):
-                        PY[r, s] = T.cast(PY[r, s] * gamma_mask(gc_sh, buf, r, s, False) * scale, dtype)
+                        PY[r, s] = T.cast(PY[r, s] * gamma_mask_unbranched(gc_sh, buf, r, s, False) * scale, dtype)
                     for r, s in T.Parallel(C, C):
                         sP_s[r, s] = PY[r, s]
                     T.fence_proxy_async()
@@ -588,7 +595,7 @@ def build_chunk_bwd_local(dtype: str, pair_sum: str = "none"):
                     T.warpgroup_fence_operand(acc_q, num_regs=C * D // WG)
                     # dq leaves through V_new's tile (both products reading it are done)
                     T.copy(acc_q, Vn_s)
-                    if summed:
+                    if ordered:
                         T.fence_proxy_async()  # the TMA reduce reads it (after the barrier below)
                     T.wait_wgmma(0)
                     T.warpgroup_fence_operand(acc_k, num_regs=C * D // WG)
@@ -635,7 +642,7 @@ def build_chunk_bwd_local(dtype: str, pair_sum: str = "none"):
                     T.warpgroup_fence_operand(acc_k, num_regs=C * D // WG)
                     T.sync_threads(GRADS_BARRIER, WG)  # dq's stores have read Vn_s
                     T.copy(acc_k, Vn_s)  # dk leaves through V_new's tile too
-                    if summed:
+                    if ordered:
                         T.fence_proxy_async()
                     T.sync_threads(GRADS_BARRIER, WG)
                     leave(Vn_s, dk, t0, hv, n_rows, it % 2 == 0)

@@ -91,27 +91,25 @@ def test_fp16_inputs(poisoned_outputs):
 @pytest.mark.parametrize("Hqk,Hv,dtype", [(2, 4, torch.bfloat16), (4, 8, torch.float16), (1, 4, torch.bfloat16),
                                           (2, 16, torch.bfloat16)], ids=["gqa2", "gqa2_fp16", "gqa4", "gqa8"])
 @pytest.mark.parametrize("intra_cp", ["off", 3])
-@pytest.mark.parametrize("mode", ["zeroed", "ordered"])
-def test_gqa_pair_sums_in_the_kernel(Hqk, Hv, dtype, intra_cp, mode, poisoned_outputs, monkeypatch):
-    """FLASHQLA_GQA_PAIR_SUM=zeroed|ordered: chunk_bwd_local's pair_sum builds sum each v-head pair's dq and dk
-    (kernels/hopper/chunk_bwd_local.py, "GQA pair sums"; "ordered" into NaN-poisoned outputs, so a row its first
-    v-head did not store shows). On a pack with 1- and 65-token sequences (a reduce's rows past a sequence end
+def test_gqa_pair_sums_in_the_kernel(Hqk, Hv, dtype, intra_cp, poisoned_outputs, monkeypatch):
+    """At an even GQA group chunk_bwd_local's "ordered" build sums each v-head pair's dq and dk
+    (kernels/hopper/chunk_bwd_local.py, "GQA pair sums"; into NaN-poisoned outputs, so a row its first v-head did
+    not store shows). On a pack with 1- and 65-token sequences (a reduce's rows past a sequence end
     land on the next sequence's rows, as zeros) every gradient passes the float64 thresholds, two runs give the
-    same bits (the reduce order does not show), and at 2 v-heads per k-head the gradients are bitwise the default
-    path's (the GQA sum of the same rounded tiles)."""
+    same bits (the reduce order does not show), and at 2 v-heads per k-head the gradients are bitwise those with
+    FLASHQLA_GQA_PAIR_SUM=0 (the GQA sum of the same rounded tiles)."""
     call = make_call([1, 65, 64, 130, 7, 200, 1, 129], Hqk, Hv, dtype=dtype, seed=40 + Hv)
-    monkeypatch.setenv("FLASHQLA_GQA_PAIR_SUM", mode)
     assert_grads_match(call, intra_cp=intra_cp)
     gen = torch.Generator(device="cuda").manual_seed(41)
     do = torch.randn(call["v"].shape, generator=gen, device="cuda").to(dtype)
     dht = torch.randn(len(call["cu_seqlens"]) - 1, Hv, D, D, generator=gen, device="cuda") * 0.1
     paired = [op_grads(call, do, dht, backend="tilelang", intra_cp=intra_cp) for _ in range(2)]
     monkeypatch.setenv("FLASHQLA_GQA_PAIR_SUM", "0")
-    default = op_grads(call, do, dht, backend="tilelang", intra_cp=intra_cp)
-    for name in default:
+    unpaired = op_grads(call, do, dht, backend="tilelang", intra_cp=intra_cp)
+    for name in unpaired:
         assert torch.equal(paired[0][name], paired[1][name]), f"d{name} differs between two runs"
         if Hv // Hqk == 2:
-            assert torch.equal(paired[0][name], default[name]), f"d{name} differs from the GQA sum's"
+            assert torch.equal(paired[0][name], unpaired[name]), f"d{name} differs from the GQA sum's"
 
 
 @pytest.mark.parametrize("cp_warmup", [None, -10.0])
