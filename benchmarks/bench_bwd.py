@@ -205,7 +205,7 @@ def main():
                 torch.cuda.empty_cache()
                 report = write_report(args.out, rows, list(fns), vers, notes, timing)  # a cut-off run keeps its rows
     if args.png:
-        plot(args.png, rows, list(fns), "CUDA graphs" if args.graphs else "eager")
+        plot(args.png, rows, list(fns), "CUDA graphs" if args.graphs else "eager", vers["gpu"])
     print(report)
 
 
@@ -215,7 +215,7 @@ def write_report(path, rows, impls, vers, notes, timing="eager"):
     ours = [i for i in impls if i.startswith("flashqla")]
     peers = [i for i in impls if i in ("fla", "flash_qla")]
     pairs = [(a, b) for a in ours for b in peers]
-    lines = ["# Backward benchmark (H200)", "",
+    lines = [f"# Backward benchmark ({vers.get('gpu', 'GPU')})", "",
              f"Date: {datetime.date.today()}; {', '.join(f'{k} {v}' for k, v in vers.items())}.", "",
              f"bf16, K = V = 128, model-like gates; {timing} (benchmarks/bench_bwd.py). bwd = (fwd+bwd) - fwd. "
              "peak = memory one fwd+bwd allocates above the inputs. Ratios: peer time / flashqla time, backward "
@@ -250,14 +250,14 @@ def write_report(path, rows, impls, vers, notes, timing="eager"):
     return "\n".join(lines)
 
 
-def plot(path, rows, impls, timing="eager"):
+def plot(path, rows, impls, timing="eager", device="GPU"):
     """Bar chart of every row's backward ms (fwd+bwd - fwd) per implementation; `timing` names how they
-    were timed (the title)."""
+    were timed, `device` where (the title)."""
     names = {"flashqla": "flashqla (CP off)", "flashqla_cp": "flashqla", "fla": "FLA 0.6",
              "flash_qla": "FlashQLA 0.1.3"}
     series = [(names.get(impl, impl), [r[impl][1] - r[impl][0] if r.get(impl) else 0 for r in rows]) for impl in impls]
     grouped_bars(path, [f"({r['Hqk']},{r['Hv']})\n{r['T'] // 1024}K x{r['n']}" for r in rows], series,
-                 "backward ms (lower is better)", f"GDN backward, H200, bf16, K = V = 128, {timing}",
+                 "backward ms (lower is better)", f"GDN backward, {device}, bf16, K = V = 128, {timing}",
                  width_per_group=0.55, label_fontsize=6)
 
 

@@ -226,11 +226,11 @@ def versions():
 
 def write_report(path, rows, vers, notes):
     lines = [
-        "# Forward benchmark (H200)", "",
+        f"# Forward benchmark ({vers.get('gpu', 'GPU')})", "",
         f"Date: {datetime.date.today()}; {', '.join(f'{k} {v}' for k, v in vers.items())}.", "",
         "bf16, K = V = 128, forward only, CUDA graph replay where the implementation can be captured, median of "
-        "the replays (benchmarks/bench_gdn.py). Floors: inputs + output once at 4.3 TB/s; chunked-form "
-        "tensor-core FLOPs at 790 TFLOP/s.", "",
+        "the replays (benchmarks/bench_gdn.py). Floors (the H200's, whatever the GPU): inputs + output once at "
+        "4.3 TB/s; chunked-form tensor-core FLOPs at 790 TFLOP/s.", "",
         "flashqla = the split decomposition (wy_inverse, chunk_states, chunk_output; kept for comparison); "
         "fused = the single-walk kernel, the forward's own path with CP off; "
         "+CP = the public op with intra_cp='auto' (L = chunks per segment the planner chose, 0 = off); "
