@@ -41,6 +41,7 @@ import torch  # noqa: E402
 
 from bench_gdn import (as_int64, eager_median_ms, graph_median_ms, grouped_bars, impl_fla, make_inputs,  # noqa: E402
                        versions)
+from floors import backward_floors_us, measure_peaks  # noqa: E402
 
 HEADS = [(16, 32), (8, 16), (4, 8), (2, 4)]
 TOKENS = [8192, 32768]
@@ -172,7 +173,11 @@ def main():
             fns[impl] = forward_fn(impl_environment(impl)[0])
         except Exception as exc:
             notes.append(f"- {impl} unavailable: {exc.__class__.__name__}: {exc}")
-    rows, vers = [], versions()
+    rows, vers, peaks = [], versions(), measure_peaks()
+    print(f"peaks on {peaks.source}: copy {peaks.copy_bytes_per_s / 1e12:.2f} TB/s, bf16 matmul "
+          f"{peaks.bf16_flop_per_s / 1e12:.0f} TFLOP/s", flush=True)
+    notes.append(f"- floors (benchmarks/floors.py) at the peaks measured on {peaks.source}: copy "
+                 f"{peaks.copy_bytes_per_s / 1e12:.2f} TB/s, bf16 matmul {peaks.bf16_flop_per_s / 1e12:.0f} TFLOP/s")
     timing = "CUDA-graph replays, median of 50" if args.graphs else f"eager, median of {args.reps}"
     heads, seqs = ([(16, 32), (2, 4)], [1]) if args.quick else (HEADS, SEQS)
     if args.heads:
@@ -182,7 +187,8 @@ def main():
             for n in seqs:
                 inputs = make_inputs(Hqk, Hv, [T // n] * n)
                 do = torch.randn_like(inputs[2])
-                row, seconds = dict(Hqk=Hqk, Hv=Hv, T=T, n=n), {}
+                row = dict(Hqk=Hqk, Hv=Hv, T=T, n=n, floors=backward_floors_us(Hqk, Hv, T, peaks))
+                seconds = {}
                 for impl, fn in fns.items():
                     try:
                         start = time.perf_counter()
@@ -211,7 +217,8 @@ def main():
 
 def write_report(path, rows, impls, vers, notes, timing="eager"):
     """Markdown table of every row, then the backward and fwd+bwd speed-ups of each flashqla variant over
-    each peer (FLA, FlashQLA) per row and as geomeans."""
+    each peer (FLA, FlashQLA) per row and as geomeans. A row's `floors` (memory us, tensor-core us: floors.py)
+    give the backward's floor and how far the first flashqla variant's backward is above the higher one."""
     ours = [i for i in impls if i.startswith("flashqla")]
     peers = [i for i in impls if i in ("fla", "flash_qla")]
     pairs = [(a, b) for a in ours for b in peers]
@@ -219,10 +226,11 @@ def write_report(path, rows, impls, vers, notes, timing="eager"):
              f"Date: {datetime.date.today()}; {', '.join(f'{k} {v}' for k, v in vers.items())}.", "",
              f"bf16, K = V = 128, model-like gates; {timing} (benchmarks/bench_bwd.py). bwd = (fwd+bwd) - fwd. "
              "peak = memory one fwd+bwd allocates above the inputs. Ratios: peer time / flashqla time, backward "
-             "(fwd+bwd).", "",
+             "(fwd+bwd). Floor: the backward's memory / tensor-core floors in us, and the first flashqla "
+             "column's backward over the higher of them.", "",
              "| Hqk | Hv | tokens | seqs | " + " | ".join(f"{i} bwd ms | {i} fwd+bwd ms | {i} peak MiB" for i in impls)
-             + "".join(f" | {b} / {a}" for a, b in pairs) + " |",
-             "|" + "---|" * (4 + 3 * len(impls) + len(pairs))]
+             + "".join(f" | {b} / {a}" for a, b in pairs) + " | bwd floor us (mem / MMA) | x floor |",
+             "|" + "---|" * (6 + 3 * len(impls) + len(pairs))]
     ratios = {pair: ([], []) for pair in pairs}
     for r in rows:
         cells = []
@@ -237,6 +245,10 @@ def write_report(path, rows, impls, vers, notes, timing="eager"):
                 cells.append(f"{bwd:.2f}x ({both:.2f}x)")
             else:
                 cells.append("n/a")
+        floors = r.get("floors")
+        cells.append("n/a" if floors is None else f"{floors[0]:.0f} / {floors[1]:.0f}")
+        t = r.get(ours[0]) if ours else None
+        cells.append("n/a" if floors is None or t is None else f"{(t[1] - t[0]) * 1e3 / max(floors):.1f}x")
         lines.append(f"| {r['Hqk']} | {r['Hv']} | {r['T']} | {r['n']} | " + " | ".join(cells) + " |")
     lines.append("")
     for (a, b), (bwd, both) in ratios.items():

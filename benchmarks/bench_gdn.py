@@ -28,9 +28,7 @@ os.environ.setdefault("FLA_DISABLE_BACKEND_DISPATCH", "1")
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-D = 128
-HBM_BYTES_PER_S = 4.3e12  # H200 copy bandwidth (design doc §6)
-BF16_FLOP_PER_S = 790e12  # H200 dense bf16 on random data (design doc §6)
+from floors import D, forward_floors_us, measure_peaks  # noqa: E402
 
 # (name, Hqk, Hv, sequence lengths): design doc §6 plus two equal-length batches
 CONFIGS = [
@@ -65,14 +63,6 @@ def make_inputs(Hqk, Hv, lengths, seed=0):
 def sequences_label(seqs):
     """"4096x8" for 8 sequences of 4096 tokens, "24576+8192" for unequal ones."""
     return f"{seqs[0]}x{len(seqs)}" if len(set(seqs)) == 1 else "+".join(map(str, seqs))
-
-
-def floors_us(Hqk, Hv, T):
-    """Memory floor (inputs read once, o written once) and bf16 tensor-core floor of the chunked forward."""
-    bytes_moved = T * (2 * Hqk * D * 2 + Hv * D * 2 * 2 + Hv * (4 + 2))
-    # per chunk and v-head: QK^T, KK^T (64x64x128), KS, QS (64x128x128), W Vd, P V' (64x64x128), K^T V'
-    flops = (T / 64) * Hv * 2 * 64 * 128 * (64 + 64 + 128 + 128 + 64 + 64 + 128)
-    return bytes_moved / HBM_BYTES_PER_S * 1e6, flops / BF16_FLOP_PER_S * 1e6
 
 
 @functools.lru_cache(maxsize=8)
@@ -224,13 +214,15 @@ def versions():
     return out
 
 
-def write_report(path, rows, vers, notes):
+def write_report(path, rows, vers, notes, peaks):
+    """Markdown table of every row (floors at `peaks`, floors.Peaks) with the speed-ups, then the notes."""
     lines = [
         f"# Forward benchmark ({vers.get('gpu', 'GPU')})", "",
         f"Date: {datetime.date.today()}; {', '.join(f'{k} {v}' for k, v in vers.items())}.", "",
         "bf16, K = V = 128, forward only, CUDA graph replay where the implementation can be captured, median of "
-        "the replays (benchmarks/bench_gdn.py). Floors (the H200's, whatever the GPU): inputs + output once at "
-        "4.3 TB/s; chunked-form tensor-core FLOPs at 790 TFLOP/s.", "",
+        f"the replays (benchmarks/bench_gdn.py). Floors (benchmarks/floors.py): inputs + output once at "
+        f"{peaks.copy_bytes_per_s / 1e12:.2f} TB/s; chunked-form tensor-core FLOPs at "
+        f"{peaks.bf16_flop_per_s / 1e12:.0f} TFLOP/s ({peaks.source}).", "",
         "flashqla = the split decomposition (wy_inverse, chunk_states, chunk_output; kept for comparison); "
         "fused = the single-walk kernel, the forward's own path with CP off; "
         "+CP = the public op with intra_cp='auto' (L = chunks per segment the planner chose, 0 = off); "
@@ -336,11 +328,14 @@ def main():
     loaded, notes = load_impls(impls, args.skip)
 
     rows = merged_rows(args.merge)
+    peaks = measure_peaks()
+    print(f"peaks on {peaks.source}: copy {peaks.copy_bytes_per_s / 1e12:.2f} TB/s, bf16 matmul "
+          f"{peaks.bf16_flop_per_s / 1e12:.0f} TFLOP/s", flush=True)
     for i, (name, Hqk, Hv, seqs) in enumerate(CONFIGS):
         if i not in run_idx or any(r.get("index") == i for r in rows):
             continue
         inputs = make_inputs(Hqk, Hv, seqs)
-        mem_us, mma_us = floors_us(Hqk, Hv, sum(seqs))
+        mem_us, mma_us = forward_floors_us(Hqk, Hv, sum(seqs), peaks)
         seq_label = sequences_label(seqs)
         row = dict(index=i, name=name, Hqk=Hqk, Hv=Hv, seqs=seq_label, mem_us=mem_us, mma_us=mma_us,
                    L=planned_segment_chunks(Hv, seqs))
@@ -383,7 +378,7 @@ def main():
         torch.cuda.empty_cache()
 
     rows.sort(key=lambda r: r["index"])
-    report = write_report(args.out, rows, versions(), notes)
+    report = write_report(args.out, rows, versions(), notes, peaks)
     print(report)
     try:
         plot(args.png, rows)

@@ -11,7 +11,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import bench_bwd  # noqa: E402
 
 # (fwd ms, fwd+bwd ms, peak MiB) per implementation
-ROWS = [dict(Hqk=16, Hv=32, T=8192, n=1, flashqla_cp=(1.0, 3.0, 700.0), fla=(1.0, 5.0, 900.0), flash_qla=(1.0, 2.0, 400.0)),
+# and a row's backward floors (memory us, tensor-core us), absent from rows of older runs
+ROWS = [dict(Hqk=16, Hv=32, T=8192, n=1, flashqla_cp=(1.0, 3.0, 700.0), fla=(1.0, 5.0, 900.0), flash_qla=(1.0, 2.0, 400.0),
+             floors=(100.0, 250.0)),
         dict(Hqk=2, Hv=4, T=32768, n=2, flashqla_cp=(1.0, 2.0, 100.0), fla=None, flash_qla=(0.5, 4.5, 90.0))]
 
 
@@ -20,9 +22,10 @@ def test_report_gives_each_peer_ratio_per_row_and_geomeans(tmp_path):
     report = bench_bwd.write_report(out, ROWS, ["flashqla_cp", "fla", "flash_qla"], {"torch": "x"}, ["- a note"])
     assert out.read_text() == report
     # row 1: backward 2.0 ms ours, 4.0 FLA, 1.0 FlashQLA; fwd+bwd 3.0, 5.0, 2.0
-    assert "| 2.00x (1.67x) | 0.50x (0.67x) |" in report
-    # row 2: FLA missing; FlashQLA backward 4.0 vs ours 1.0, fwd+bwd 4.5 vs 2.0
-    assert "| n/a | 4.00x (2.25x) |" in report
+    # floors 100 / 250 us: ours 2000 us is 8x the higher
+    assert "| 2.00x (1.67x) | 0.50x (0.67x) | 100 / 250 | 8.0x |" in report
+    # row 2: FLA missing; FlashQLA backward 4.0 vs ours 1.0, fwd+bwd 4.5 vs 2.0; no floors
+    assert "| n/a | 4.00x (2.25x) | n/a | n/a |" in report
     assert "over fla: backward 2.00x, fwd+bwd 1.67x (1 configs)" in report
     geo_bwd, geo_all = math.sqrt(0.5 * 4.0), math.sqrt(2.0 / 3.0 * 2.25)
     assert f"over flash_qla: backward {geo_bwd:.2f}x, fwd+bwd {geo_all:.2f}x (2 configs)" in report

@@ -4,8 +4,11 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import bench_gdn  # noqa: E402
+import floors  # noqa: E402
 
 
 def row(index, fused, flash_qla):
@@ -22,7 +25,8 @@ def test_rows_of_two_runs_come_back_in_config_order_and_the_later_run_wins(tmp_p
     rows = bench_gdn.merged_rows([first, second])
     assert [r["index"] for r in rows] == [0, 7, 9]
     assert rows[1]["flashqla_fused"] == 0.5
-    report = bench_gdn.write_report(tmp_path / "fwd.md", rows, {"torch": "x"}, [])
+    report = bench_gdn.write_report(tmp_path / "fwd.md", rows, {"torch": "x"}, [], floors.H200_PEAKS)
+    assert "at 4.30 TB/s; chunked-form tensor-core FLOPs at 790 TFLOP/s (H200, design doc §6)" in report
     # FlashQLA over the three rows: 1.0 / 1.0, 1.0 / 0.5, 2.0 / 1.0
     assert f"over FlashQLA: {(1.0 * 2.0 * 2.0) ** (1 / 3):.2f}x over 3 configs" in report
     names = [line.split(" | ")[0] for line in report.splitlines() if line.startswith(("| 397B", "| Sym"))]
@@ -39,3 +43,18 @@ def test_skipped_and_missing_implementations_are_noted_and_not_loaded():
     loaded, notes = bench_gdn.load_impls(impls, "fla")
     assert loaded == {"ours": "run"} and made == ["ours"]
     assert notes == ["- fla left out (--skip)", "- peer unavailable: ImportError: no module named peer"]
+
+
+def test_floors_hold_the_design_docs_tp8_figures_and_the_backward_counts():
+    """TP8 1 x 32768 (Hqk 2, Hv 8) at the H200's peaks: inputs + output ~169 MB, ~39 us (design doc §6: ~160 MB,
+    ~37 us); the forward's products 42.9 GFLOP. The backward reads and writes more (dO in, five gradients out)
+    and has twice the forward's products less one K K^T; both floors scale with the copy / matmul peaks."""
+    mem, mma = floors.forward_floors_us(2, 8, 32768)
+    assert 38 < mem < 40 and abs(mma * 790e6 - 2 * 64 * 128 * 640 * 512 * 8) < 1
+    bwd_mem, bwd_mma = floors.backward_floors_us(2, 8, 32768)
+    per_token = (2 * 2 * 128 * 2 + 2 * 8 * 128 * 2 + 8 * 6) + (2 * 2 * 128 * 2 + 8 * 128 * 2 + 8 * 6)
+    assert abs(bwd_mem - 32768 * per_token / 4.3e12 * 1e6) < 1e-9
+    assert abs(bwd_mma - (2 * mma - 512 * 8 * 2 * 64 * 64 * 128 / 790e6)) < 1e-9
+    half = floors.Peaks(2.15e12, 395e12, "half an H200")
+    assert [2 * x for x in floors.backward_floors_us(2, 8, 32768)] == pytest.approx(
+        floors.backward_floors_us(2, 8, 32768, half))
