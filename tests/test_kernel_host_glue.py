@@ -286,6 +286,50 @@ def test_kernel_backward_sums_gqa_pairs_in_the_kernel(hopper, monkeypatch, Hqk, 
         assert rel_err(a, w) <= limits[name], (name, rel_err(a, w))
 
 
+@pytest.mark.parametrize("Hqk,Hv", [(2, 4), (1, 4), (2, 6), (1, 8)], ids=["gqa2", "gqa4", "gqa3", "gqa8"])
+def test_kernel_backward_sums_whole_gqa_groups_in_the_kernel_when_switched_on(hopper, monkeypatch, Hqk, Hv):
+    """FLASHQLA_GQA_GROUP_SUM=1: at 3 or more v-heads per k-head chunk_bwd_local's "grouped" build writes dq and
+    dk per k-head and no GQA sum runs (odd groups too); at 2 the pair build runs as without it. The gradients
+    agree with the per-v-head path within bf16's rounding (G - 1 roundings in v-head order against one), dv, dg,
+    dbeta and dh0 bitwise, and with the torch backend within the kernels' limits."""
+    from flashqla.kernels.hopper import backward
+    from flashqla.ops import torch_backend
+
+    args, cu = call([1, 65, 130, 64, 7], Hqk=Hqk, Hv=Hv, seed=19)
+    h0 = args["initial_state"]
+    gen = torch.Generator().manual_seed(20)
+    do = torch.randn(args["v"].shape, generator=gen).bfloat16()
+    dht = torch.randn(h0.shape, generator=gen) * 0.1
+    inputs = [args[n] for n in NAMES]
+    launched = []
+    for name in ("compiled_chunk_bwd_local", "compiled_gqa_sum"):
+        build = getattr(backward, name)
+
+        def spy(*build_args, build=build, name=name):
+            kernel = build(*build_args)
+            return lambda *a: launched.append((name, build_args)) or kernel(*a)
+        monkeypatch.setattr(backward, name, spy)
+    monkeypatch.setenv("FLASHQLA_GQA_PAIR_SUM", "0")
+    per_head = hopper.chunk_gdn_bwd(*inputs, 0.25, h0, cu, do, dht)
+    monkeypatch.delenv("FLASHQLA_GQA_PAIR_SUM")
+    monkeypatch.setenv("FLASHQLA_GQA_GROUP_SUM", "1")
+    launched.clear()
+    grouped = hopper.chunk_gdn_bwd(*inputs, 0.25, h0, cu, do, dht)
+
+    group, T = Hv // Hqk, args["q"].shape[1]
+    assert launched == [("compiled_chunk_bwd_local", ("bfloat16", "grouped" if group > 2 else "ordered"))]
+    plan = torch_backend.make_plan(1, T, cu.tolist(), 0)
+    want = torch_backend.backward(*inputs, 0.25, h0, plan, do, dht, None)
+    limits = {"q": 1e-2, "k": 1e-2, "v": 1e-2, "g": 2e-2, "beta": 2e-2, "initial_state": 1e-2}
+    for name, a, b, w in zip(limits, grouped, per_head, want):
+        assert a.shape == b.shape and a.dtype == b.dtype, name
+        if name in ("q", "k") and group > 2:
+            assert 0 < rel_err(a, b) <= 1e-2, (name, rel_err(a, b))
+        else:
+            assert torch.equal(a, b), name
+        assert rel_err(a, w) <= limits[name], (name, rel_err(a, w))
+
+
 def test_summaries_on_the_kernel_path_match_the_torch_path(hopper):
     from flashqla.ops import backends
 

@@ -55,6 +55,11 @@ the next sequence's rows as they are, before or after those rows' own writers; t
 T. (A build where every item reduced into outputs the caller had zeroed timed from 2% faster to 5% slower and
 was dropped, docs/kernels.md "Fortieth session".)
 
+"grouped" (any GQA group of 3 or more; switched off until measured): the same with a CTA taking all G v-heads of
+a chunk, into [T, Hqk, 128]: the first stores, each of the others adds by TMA reduce once the previous reduce
+has completed (`cp.async.bulk.wait_group 0` before it, by then long done), so the G - 1 adds land in v-head
+order and the bits do not depend on timing; no GQA sum runs.
+
 Persistent: `num_ctas` CTAs (one per SM: one fits by registers and shared memory) take every num_ctas-th
 item of the real chunks (chunk fastest), so that the next item's tiles load while this one computes. Each
 tile arrives by TMA on its own mbarrier, requested by the warpgroup that reads it last as soon as it is done
@@ -120,6 +125,10 @@ VALUES_BARRIER, GRADS_BARRIER = 12, 13  # named barriers of one warpgroup (TileL
 # the fence TileLang lacks: generic-proxy writes to global memory before an async-proxy (TMA) access to them
 FENCE_PRELUDE = ('\n__device__ __forceinline__ void fence_proxy_async_all() '
                  '{ asm volatile("fence.proxy.async;" ::: "memory"); }\n')
+# "grouped": a thread's earlier bulk reduces complete (not only read their shared tile) before it issues the next
+# onto the same rows, so the rows' adds come in item order and the sum's bits do not depend on timing
+BULK_WAIT_PRELUDE = ('__device__ __forceinline__ void bulk_async_wait_all() '
+                     '{ asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }\n')
 
 
 def build_chunk_bwd_local(dtype: str, pair_sum: str = "none"):
@@ -127,14 +136,15 @@ def build_chunk_bwd_local(dtype: str, pair_sum: str = "none"):
     one build serves every device. With a `pair_sum` (an even GQA group: v-heads 2m and 2m + 1 read the same k-head)
     dq and dk are [T, Hv / 2, 128] and each pair's tiles are summed there (see "GQA pair sums" above): with
     "ordered", one CTA takes both v-heads of a chunk one after the other, the first storing its tiles and the
-    second adding to them."""
+    second adding to them; "grouped", all G v-heads of a chunk into [T, Hqk, 128], the same way."""
     if pair_sum not in PAIR_SUMS:
         raise ValueError(f"pair_sum must be one of {PAIR_SUMS}, got {pair_sum!r}")
-    ordered = pair_sum == "ordered"  # (TileLang folds Python bools silently)
+    ordered, grouped = pair_sum == "ordered", pair_sum == "grouped"  # (TileLang folds Python bools silently)
+    in_units = ordered or grouped  # a CTA takes the v-heads of a (chunk, pair or GQA group) as consecutive items
     num_tokens = T.dynamic("num_tokens")
     num_qk_heads = T.dynamic("num_qk_heads")
     num_v_heads = T.dynamic("num_v_heads")
-    num_dqk_heads = T.dynamic("num_v_pairs") if ordered else num_v_heads
+    num_dqk_heads = T.dynamic("num_v_pairs") if ordered else num_qk_heads if grouped else num_v_heads
     num_seqs = T.dynamic("num_seqs")
     num_chunk_slots = T.dynamic("num_chunk_slots")
     C, D, WG = CHUNK, HEAD_DIM, WARPGROUP
@@ -160,19 +170,22 @@ def build_chunk_bwd_local(dtype: str, pair_sum: str = "none"):
                 out[t0 + r, hv, j] = tile[r, j]
 
     @T.macro
-    def leave(tile, out, t0, hv, n_rows, first):
-        """dq or dk of v-head hv from shared memory: its rows (`store_rows`), or "ordered" into pair hv // 2: the
-        pair's `first` v-head stores its rows and fences them for the second one's whole chunk, added by one TMA
-        reduce, issued by one thread, which waits until the tile is read. Rows past the
+    def leave(tile, out, t0, hv, n_rows, first, width):
+        """dq or dk of v-head hv from shared memory: its rows (`store_rows`), or into row hv // width of its unit
+        (pair or group): the unit's `first` v-head stores its rows and fences them for the others' whole chunks,
+        each added by one TMA reduce, issued by one thread, which waits until the tile is read ("grouped": and,
+        before it, until its previous reduce has completed). Rows past the
         sequence end are zero there (built from zeroed Q, K, dO, V', G rows) and leave the rows they land on as they
         are, whatever order their own writers come in, so a partial chunk needs no mask; rows past T are clipped by
         the TMA unit."""
-        if ordered:
+        if in_units:
             if first:
-                store_rows(tile, out, t0, hv // 2, n_rows)
+                store_rows(tile, out, t0, hv // width, n_rows)
                 T.call_extern("handle", "fence_proxy_async_all")
             else:
-                atomic_add(out[t0:t0 + C, hv // 2, 0:D], tile, use_tma=True)
+                if grouped:
+                    T.call_extern("handle", "bulk_async_wait_all")
+                atomic_add(out[t0:t0 + C, hv // width, 0:D], tile, use_tma=True)
         else:
             store_rows(tile, out, t0, hv, n_rows)
 
@@ -228,9 +241,11 @@ def build_chunk_bwd_local(dtype: str, pair_sum: str = "none"):
         search_steps: T.int32,
         num_ctas: T.int32,
     ):
-        with T.Kernel(num_ctas, threads=2 * WG, prelude=FENCE_PRELUDE if ordered else None) as (cta,):
+        prelude = FENCE_PRELUDE + BULK_WAIT_PRELUDE if grouped else FENCE_PRELUDE if ordered else None
+        with T.Kernel(num_ctas, threads=2 * WG, prelude=prelude) as (cta,):
             group = T.alloc_var("int32")
             group = num_v_heads // num_qk_heads
+            width = 2 if ordered else group  # items per unit (in_units)
             Q_s = T.alloc_shared((C, D), dtype)
             K_s = T.alloc_shared((2, C, D), dtype)  # by item parity: the next item's K arrives during this one
             dO_s = T.alloc_shared((C, D), dtype)
@@ -304,8 +319,8 @@ def build_chunk_bwd_local(dtype: str, pair_sum: str = "none"):
             num_chunks = T.alloc_var("int32")
             my_items = T.alloc_var("int32")
             num_chunks = chunk_offsets[num_seqs]
-            if ordered:
-                my_items = 2 * T.max((num_chunks * (num_v_heads // 2) - cta + num_ctas - 1) // num_ctas, 0)
+            if in_units:
+                my_items = width * T.max((num_chunks * (num_v_heads // width) - cta + num_ctas - 1) // num_ctas, 0)
             else:
                 my_items = T.max((num_chunks * num_v_heads - cta + num_ctas - 1) // num_ctas, 0)
 
@@ -313,7 +328,7 @@ def build_chunk_bwd_local(dtype: str, pair_sum: str = "none"):
                 chunk0 = T.alloc_var("int32")
                 hv0 = T.alloc_var("int32")
                 chunk0 = cta % num_chunks
-                hv0 = cta // num_chunks * (2 if ordered else 1)
+                hv0 = cta // num_chunks * (width if in_units else 1)
                 seq0, s0, n0 = chunk_of_slot(cu_seqlens, chunk_offsets, num_seqs, chunk0, search_steps)
                 if tx < WG:
                     T.tma_copy(v[s0:s0 + C, hv0, 0:D], V_s, barrier=v_full)
@@ -344,12 +359,12 @@ def build_chunk_bwd_local(dtype: str, pair_sum: str = "none"):
                     # finish), for both warpgroups: the gradients warpgroup reads them after k_ready
                     item = T.alloc_var("int32")
                     nitem = T.alloc_var("int32")
-                    if ordered:  # item = v-head x num_chunks + chunk, of pair cta + (it // 2) num_ctas
-                        pair = T.alloc_var("int32")
-                        pair = cta + it // 2 * num_ctas
-                        item = 2 * pair - pair % num_chunks + it % 2 * num_chunks
-                        pair = cta + (it + 1) // 2 * num_ctas
-                        nitem = 2 * pair - pair % num_chunks + (it + 1) % 2 * num_chunks
+                    if in_units:  # item = v-head x num_chunks + chunk, of unit cta + (it // width) num_ctas
+                        unit = T.alloc_var("int32")
+                        unit = cta + it // width * num_ctas
+                        item = width * unit - (width - 1) * (unit % num_chunks) + it % width * num_chunks
+                        unit = cta + (it + 1) // width * num_ctas
+                        nitem = width * unit - (width - 1) * (unit % num_chunks) + (it + 1) % width * num_chunks
                         # one search per pair: this item's chunk was the previous item's next (the first item's is
                         # searched), and the next item's is this one's (the pair's odd v-head) or searched
                         t0_ = T.alloc_var("int32")
@@ -364,7 +379,7 @@ def build_chunk_bwd_local(dtype: str, pair_sum: str = "none"):
                         else:
                             t0_ = work_sh[1 - buf, 3]
                             n_rows_ = work_sh[1 - buf, 7]
-                        if it % 2 == 0:
+                        if (it + 1) % width != 0:  # the next item is this unit's next v-head
                             nt0_ = t0_
                             nn_rows_ = n_rows_
                         else:
@@ -596,7 +611,7 @@ def build_chunk_bwd_local(dtype: str, pair_sum: str = "none"):
                     T.warpgroup_fence_operand(acc_q, num_regs=C * D // WG)
                     # dq leaves through V_new's tile (both products reading it are done)
                     T.copy(acc_q, Vn_s)
-                    if ordered:
+                    if in_units:
                         T.fence_proxy_async()  # the TMA reduce reads it (after the barrier below)
                     T.wait_wgmma(0)
                     T.warpgroup_fence_operand(acc_k, num_regs=C * D // WG)
@@ -609,7 +624,7 @@ def build_chunk_bwd_local(dtype: str, pair_sum: str = "none"):
                         T.barrier_arrive(q_full)
                         T.barrier_arrive(ds_full)
                         T.barrier_arrive(do_full)
-                    leave(Vn_s, dq, t0, hv, n_rows, it % 2 == 0)
+                    leave(Vn_s, dq, t0, hv, n_rows, it % width == 0, width)
                     # dk += diag(gamma_last / gamma) V_new dS^T;  F = that scale o rowsum(K o V_new dS^T) (its sum
                     # joins the last row's dgc)
                     for r, j in T.Parallel(C, D):
@@ -643,10 +658,10 @@ def build_chunk_bwd_local(dtype: str, pair_sum: str = "none"):
                     T.warpgroup_fence_operand(acc_k, num_regs=C * D // WG)
                     T.sync_threads(GRADS_BARRIER, WG)  # dq's stores have read Vn_s
                     T.copy(acc_k, Vn_s)  # dk leaves through V_new's tile too
-                    if ordered:
+                    if in_units:
                         T.fence_proxy_async()
                     T.sync_threads(GRADS_BARRIER, WG)
-                    leave(Vn_s, dk, t0, hv, n_rows, it % 2 == 0)
+                    leave(Vn_s, dk, t0, hv, n_rows, it % width == 0, width)
                     # dg = reverse cumsum of dgc over the rows that exist, plus the last row's sum(F) and gamma_last
                     # <S, dS>, which reach every row: row r of [s >= r] dgc[s] + (F + those shares)[s], summed over s
                     # (the values warpgroup's shares of dgc were written before g_ready)

@@ -34,10 +34,13 @@ PACKS = {"pack": [700, 1, 2395], "one sequence": [3000]}
 
 @pytest.mark.parametrize("lengths", PACKS.values(), ids=PACKS.keys())
 @pytest.mark.parametrize("intra_cp", ["off", 4])
-@pytest.mark.parametrize("pair_sum", ["1", "0"], ids=["pair_ordered", "pair_none"])
-def test_forward_and_backward_replay_from_a_cuda_graph(intra_cp, lengths, pair_sum, monkeypatch):
-    """(pair_sum: the backward's GQA sums inside chunk_bwd_local at 4 v-heads per k-head, FLASHQLA_GQA_PAIR_SUM.)"""
-    monkeypatch.setenv("FLASHQLA_GQA_PAIR_SUM", pair_sum)
+@pytest.mark.parametrize("sums", [{}, {"FLASHQLA_GQA_PAIR_SUM": "0"}, {"FLASHQLA_GQA_GROUP_SUM": "1"}],
+                         ids=["pair_ordered", "pair_none", "group"])
+def test_forward_and_backward_replay_from_a_cuda_graph(intra_cp, lengths, sums, monkeypatch):
+    """(sums: the backward's GQA sums inside chunk_bwd_local at 4 v-heads per k-head: by pairs, by the GQA sum
+    kernel alone, or the whole group.)"""
+    for env, value in sums.items():
+        monkeypatch.setenv(env, value)
     call = make_call(lengths, 2, 8)
     cu = call["cu_seqlens"]
     N = len(lengths)
