@@ -379,7 +379,8 @@ def build_chunk_bwd_local(dtype: str, pair_sum: str = "none"):
                         else:
                             t0_ = work_sh[1 - buf, 3]
                             n_rows_ = work_sh[1 - buf, 7]
-                        if (it + 1) % width != 0:  # the next item is this unit's next v-head
+                        # the next item is this unit's next v-head (written as the measured pair build had it)
+                        if (it % 2 == 0) if ordered else ((it + 1) % width != 0):
                             nt0_ = t0_
                             nn_rows_ = n_rows_
                         else:
