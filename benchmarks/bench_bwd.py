@@ -14,8 +14,8 @@ tensors.
         [--graphs] [--out docs/benchmarks_bwd.md]
 
 An implementation may name environment variables it runs under, after an @ (several joined by +): e.g.
-`--impls flashqla_cp,flashqla_cp@FLASHQLA_GQA_PAIR_SUM=ordered,flash_qla` times flashqla's default backward
-and the one with the GQA pair sums side by side in one process (the variables are set around its forward and
+`--impls flashqla_cp,flashqla_cp@FLASHQLA_GQA_PAIR_SUM=0,flash_qla` times flashqla's default backward and the
+one without the GQA pair sums side by side in one process (the variables are set around its forward and
 backward only, so the other implementations do not see them).
 
 FlashQLA 0.1.3 JIT-compiles its backward for minutes on first use per configuration: on a short device
@@ -173,11 +173,9 @@ def main():
             fns[impl] = forward_fn(impl_environment(impl)[0])
         except Exception as exc:
             notes.append(f"- {impl} unavailable: {exc.__class__.__name__}: {exc}")
-    rows, vers, peaks = [], versions(), measure_peaks()
-    print(f"peaks on {peaks.source}: copy {peaks.copy_bytes_per_s / 1e12:.2f} TB/s, bf16 matmul "
-          f"{peaks.bf16_flop_per_s / 1e12:.0f} TFLOP/s", flush=True)
-    notes.append(f"- floors (benchmarks/floors.py) at the peaks measured on {peaks.source}: copy "
-                 f"{peaks.copy_bytes_per_s / 1e12:.2f} TB/s, bf16 matmul {peaks.bf16_flop_per_s / 1e12:.0f} TFLOP/s")
+    rows, vers, peaks = [], versions(), measure_peaks(eager_median_ms)
+    print(f"peaks: {peaks.describe()}", flush=True)
+    notes.append(f"- floors (benchmarks/floors.py) at the peaks: {peaks.describe()}")
     timing = "CUDA-graph replays, median of 50" if args.graphs else f"eager, median of {args.reps}"
     heads, seqs = ([(16, 32), (2, 4)], [1]) if args.quick else (HEADS, SEQS)
     if args.heads:

@@ -328,9 +328,8 @@ def main():
     loaded, notes = load_impls(impls, args.skip)
 
     rows = merged_rows(args.merge)
-    peaks = measure_peaks()
-    print(f"peaks on {peaks.source}: copy {peaks.copy_bytes_per_s / 1e12:.2f} TB/s, bf16 matmul "
-          f"{peaks.bf16_flop_per_s / 1e12:.0f} TFLOP/s", flush=True)
+    peaks = measure_peaks(eager_median_ms)
+    print(f"peaks: {peaks.describe()}", flush=True)
     for i, (name, Hqk, Hv, seqs) in enumerate(CONFIGS):
         if i not in run_idx or any(r.get("index") == i for r in rows):
             continue

@@ -9,8 +9,7 @@ doc's §6 figures (4.3 TB/s, 790 TFLOP/s), which the measurement reproduces on t
 from __future__ import annotations
 
 import functools
-import statistics
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 D, C = 128, 64  # head dim (K = V), chunk size
 
@@ -20,27 +19,24 @@ class Peaks(NamedTuple):
     bf16_flop_per_s: float  # dense bf16 matmul on random data
     source: str
 
+    def describe(self) -> str:
+        return (f"copy {self.copy_bytes_per_s / 1e12:.2f} TB/s, bf16 matmul {self.bf16_flop_per_s / 1e12:.0f} TFLOP/s "
+                f"({self.source})")
+
 
 H200_PEAKS = Peaks(4.3e12, 790e12, "H200, design doc §6")
 
 
 @functools.lru_cache(maxsize=None)
-def measure_peaks(reps: int = 20) -> Peaks:
+def measure_peaks(median_ms: Callable, reps: int = 20) -> Peaks:
     """The current CUDA device's copy bandwidth (1 GiB copied, read + write counted) and bf16 matmul throughput
-    (8192^3 on random data, so the tensor cores see real operand toggling), medians of `reps` timed runs."""
+    (8192^3 on random data, so the tensor cores see real operand toggling), each timed by the benchmarks' own
+    `median_ms(fn, reps)` (bench_gdn.eager_median_ms) after one warm-up run."""
     import torch
 
     def median_s(fn):
         fn()
-        times = []
-        for _ in range(reps):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        return statistics.median(times)
+        return median_ms(fn, reps) / 1e3
 
     src = torch.empty(1 << 29, dtype=torch.bfloat16, device="cuda").normal_()
     dst = torch.empty_like(src)
