@@ -234,22 +234,16 @@ def test_kernel_backward_matches_the_torch_backend(hopper, varlen):
         assert rel_err(a, b) <= limits[name], (name, rel_err(a, b))
 
 
-@pytest.mark.parametrize("Hqk,Hv", [(2, 4), (1, 4), (2, 6)], ids=["gqa2", "gqa4", "gqa3"])
-def test_kernel_backward_sums_gqa_pairs_in_the_kernel(hopper, monkeypatch, Hqk, Hv):
-    """At an even GQA group chunk_bwd_local's "ordered" pair_sum build writes dq and dk per v-head pair, and the
-    GQA sum runs over the rest of the group (not at all at 2); at an odd group, or with FLASHQLA_GQA_PAIR_SUM=0,
-    the "none" build writes them per v-head and the GQA sum adds the whole group. Every gradient equals the
-    switched-off path's: bitwise at groups 2 and 3, within bf16's rounding at 4 (two roundings more), and against
-    the torch backend within the kernels' limits."""
+def gqa_sum_case(monkeypatch, Hqk, Hv, seed):
+    """A backward call of the GQA-sum tests (a pack of 1- to 130-token sequences, initial state and dht), and the
+    list every chunk_bwd_local and gqa_sum launch appends to: (kernel, build arguments, first argument's shape)."""
     from flashqla.kernels.hopper import backward
-    from flashqla.ops import torch_backend
 
-    args, cu = call([1, 65, 130, 64, 7], Hqk=Hqk, Hv=Hv, seed=17)
+    args, cu = call([1, 65, 130, 64, 7], Hqk=Hqk, Hv=Hv, seed=seed)
     h0 = args["initial_state"]
-    gen = torch.Generator().manual_seed(18)
+    gen = torch.Generator().manual_seed(seed + 1)
     do = torch.randn(args["v"].shape, generator=gen).bfloat16()
     dht = torch.randn(h0.shape, generator=gen) * 0.1
-    inputs = [args[n] for n in NAMES]
     launched = []
     for name in ("compiled_chunk_bwd_local", "compiled_gqa_sum"):
         build = getattr(backward, name)
@@ -258,15 +252,44 @@ def test_kernel_backward_sums_gqa_pairs_in_the_kernel(hopper, monkeypatch, Hqk, 
             kernel = build(*build_args)
             return lambda *a: launched.append((name, build_args, tuple(a[0].shape))) or kernel(*a)
         monkeypatch.setattr(backward, name, spy)
+    return ([args[n] for n in NAMES], h0, cu, do, dht), launched
+
+
+def assert_sums_agree(got, per_head, case, rounded):
+    """Every gradient of `got` equal to the per-v-head path's, bitwise except those named in `rounded` (within
+    bf16's rounding of it, and not the same bits), and within the kernels' limits of the torch backend's."""
+    from flashqla.ops import torch_backend
+
+    inputs, h0, cu, do, dht = case
+    plan = torch_backend.make_plan(1, inputs[0].shape[1], cu.tolist(), 0)
+    want = torch_backend.backward(*inputs, 0.25, h0, plan, do, dht, None)
+    limits = {"q": 1e-2, "k": 1e-2, "v": 1e-2, "g": 2e-2, "beta": 2e-2, "initial_state": 1e-2}
+    for name, a, b, w in zip(limits, got, per_head, want):
+        assert a.shape == b.shape and a.dtype == b.dtype, name
+        if name in rounded:
+            assert 0 < rel_err(a, b) <= 1e-2, (name, rel_err(a, b))  # rounded after each add: not the same bits
+        else:
+            assert torch.equal(a, b), name
+        assert rel_err(a, w) <= limits[name], (name, rel_err(a, w))
+
+
+@pytest.mark.parametrize("Hqk,Hv", [(2, 4), (1, 4), (2, 6)], ids=["gqa2", "gqa4", "gqa3"])
+def test_kernel_backward_sums_gqa_pairs_in_the_kernel(hopper, monkeypatch, Hqk, Hv):
+    """At an even GQA group chunk_bwd_local's "ordered" pair_sum build writes dq and dk per v-head pair, and the
+    GQA sum runs over the rest of the group (not at all at 2); at an odd group, or with FLASHQLA_GQA_PAIR_SUM=0,
+    the "none" build writes them per v-head and the GQA sum adds the whole group. Every gradient equals the
+    switched-off path's: bitwise at groups 2 and 3, within bf16's rounding at 4 (two roundings more), and against
+    the torch backend within the kernels' limits."""
+    case, launched = gqa_sum_case(monkeypatch, Hqk, Hv, seed=17)
     monkeypatch.setenv("FLASHQLA_GQA_PAIR_SUM", "0")
-    default = hopper.chunk_gdn_bwd(*inputs, 0.25, h0, cu, do, dht)
-    group, T = Hv // Hqk, args["q"].shape[1]
+    default = hopper.chunk_gdn_bwd(*case[0], 0.25, *case[1:])
+    group, T = Hv // Hqk, case[0][0].shape[1]
     unpaired = [("compiled_chunk_bwd_local", ("bfloat16", "none"), (T, Hqk, 128)),
                 ("compiled_gqa_sum", ("bfloat16",), (T * Hqk, group, 128))]
     assert launched == unpaired
     monkeypatch.delenv("FLASHQLA_GQA_PAIR_SUM")
     launched.clear()
-    paired = hopper.chunk_gdn_bwd(*inputs, 0.25, h0, cu, do, dht)
+    paired = hopper.chunk_gdn_bwd(*case[0], 0.25, *case[1:])
 
     if group % 2:
         assert launched == unpaired
@@ -274,16 +297,7 @@ def test_kernel_backward_sums_gqa_pairs_in_the_kernel(hopper, monkeypatch, Hqk, 
         assert launched[0] == ("compiled_chunk_bwd_local", ("bfloat16", "ordered"), (T, Hqk, 128))
         sums = [(T * Hqk, group // 2, 128)] if group > 2 else []
         assert [shape for name, _, shape in launched[1:]] == sums
-    plan = torch_backend.make_plan(1, T, cu.tolist(), 0)
-    want = torch_backend.backward(*inputs, 0.25, h0, plan, do, dht, None)
-    limits = {"q": 1e-2, "k": 1e-2, "v": 1e-2, "g": 2e-2, "beta": 2e-2, "initial_state": 1e-2}
-    for name, a, b, w in zip(limits, paired, default, want):
-        assert a.shape == b.shape and a.dtype == b.dtype, name
-        if group == 4 and name in ("q", "k"):
-            assert 0 < rel_err(a, b) <= 1e-2, (name, rel_err(a, b))  # rounded after each pair: not the same bits
-        else:
-            assert torch.equal(a, b), name
-        assert rel_err(a, w) <= limits[name], (name, rel_err(a, w))
+    assert_sums_agree(paired, default, case, ("q", "k") if group == 4 else ())
 
 
 @pytest.mark.parametrize("Hqk,Hv", [(2, 4), (1, 4), (2, 6), (1, 8)], ids=["gqa2", "gqa4", "gqa3", "gqa8"])
@@ -292,42 +306,18 @@ def test_kernel_backward_sums_whole_gqa_groups_in_the_kernel_when_switched_on(ho
     dk per k-head and no GQA sum runs (odd groups too); at 2 the pair build runs as without it. The gradients
     agree with the per-v-head path within bf16's rounding (G - 1 roundings in v-head order against one), dv, dg,
     dbeta and dh0 bitwise, and with the torch backend within the kernels' limits."""
-    from flashqla.kernels.hopper import backward
-    from flashqla.ops import torch_backend
-
-    args, cu = call([1, 65, 130, 64, 7], Hqk=Hqk, Hv=Hv, seed=19)
-    h0 = args["initial_state"]
-    gen = torch.Generator().manual_seed(20)
-    do = torch.randn(args["v"].shape, generator=gen).bfloat16()
-    dht = torch.randn(h0.shape, generator=gen) * 0.1
-    inputs = [args[n] for n in NAMES]
-    launched = []
-    for name in ("compiled_chunk_bwd_local", "compiled_gqa_sum"):
-        build = getattr(backward, name)
-
-        def spy(*build_args, build=build, name=name):
-            kernel = build(*build_args)
-            return lambda *a: launched.append((name, build_args)) or kernel(*a)
-        monkeypatch.setattr(backward, name, spy)
+    case, launched = gqa_sum_case(monkeypatch, Hqk, Hv, seed=19)
     monkeypatch.setenv("FLASHQLA_GQA_PAIR_SUM", "0")
-    per_head = hopper.chunk_gdn_bwd(*inputs, 0.25, h0, cu, do, dht)
+    per_head = hopper.chunk_gdn_bwd(*case[0], 0.25, *case[1:])
     monkeypatch.delenv("FLASHQLA_GQA_PAIR_SUM")
     monkeypatch.setenv("FLASHQLA_GQA_GROUP_SUM", "1")
     launched.clear()
-    grouped = hopper.chunk_gdn_bwd(*inputs, 0.25, h0, cu, do, dht)
+    grouped = hopper.chunk_gdn_bwd(*case[0], 0.25, *case[1:])
 
-    group, T = Hv // Hqk, args["q"].shape[1]
-    assert launched == [("compiled_chunk_bwd_local", ("bfloat16", "grouped" if group > 2 else "ordered"))]
-    plan = torch_backend.make_plan(1, T, cu.tolist(), 0)
-    want = torch_backend.backward(*inputs, 0.25, h0, plan, do, dht, None)
-    limits = {"q": 1e-2, "k": 1e-2, "v": 1e-2, "g": 2e-2, "beta": 2e-2, "initial_state": 1e-2}
-    for name, a, b, w in zip(limits, grouped, per_head, want):
-        assert a.shape == b.shape and a.dtype == b.dtype, name
-        if name in ("q", "k") and group > 2:
-            assert 0 < rel_err(a, b) <= 1e-2, (name, rel_err(a, b))
-        else:
-            assert torch.equal(a, b), name
-        assert rel_err(a, w) <= limits[name], (name, rel_err(a, w))
+    group = Hv // Hqk
+    assert [(name, build_args) for name, build_args, _ in launched] == [
+        ("compiled_chunk_bwd_local", ("bfloat16", "grouped" if group > 2 else "ordered"))]
+    assert_sums_agree(grouped, per_head, case, ("q", "k") if group > 2 else ())
 
 
 def test_summaries_on_the_kernel_path_match_the_torch_path(hopper):

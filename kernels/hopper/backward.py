@@ -5,7 +5,7 @@
     fused_fwd (states)    the state entering every chunk (input dtype): the forward's walk again, without O
     chunk_dstates         the reverse walk: the gradient of the state leaving every chunk, and dS0
                           (beside the state walk on a second stream when one walk leaves SMs idle)
-    chunk_bwd_local       every chunk at once: dq, dk (per v-head, v-head pair or group: `sums_pairs`), dv, dg,
+    chunk_bwd_local       every chunk at once: dq, dk (per v-head, v-head pair or group: `dqk_sum_build`), dv, dg,
                           dbeta from those two
     gqa_sum               dq and dk summed over each GQA group (fp32 accumulation), both in one launch; with the
                           pairs summed, over the rest of the group (none at 2 v-heads per k-head, or grouped)
@@ -58,7 +58,7 @@ def _switch(env: str, default: str) -> bool:
     return os.environ.get(env, default).strip().lower() not in ("0", "off", "false", "no")
 
 
-def sums_pairs(group: int) -> str:
+def dqk_sum_build(group: int) -> str:
     """How chunk_bwd_local sums the dq and dk of the v-heads that share a k-head (its `pair_sum` build), at a GQA
     group of `group` v-heads per k-head: "ordered" at an even group (v-heads 2m and 2m + 1 summed into one row:
     one CTA takes both v-heads of a chunk, the second adding its tiles to what the first stored), "none" at an
@@ -127,7 +127,7 @@ def backward_of(x: ChunkedCall, q, k, v, g, beta, do, scale, h0, dht):
     # per v-head (or pair) in the input dtype: half the bytes of fp32 written here and read by the GQA sums (and
     # T x Hv x 512 bytes less memory at the peak); the sums accumulate in fp32 and round once more
     group = Hv // Hqk
-    pair_sum = sums_pairs(group)
+    pair_sum = dqk_sum_build(group)
     rows = {"none": Hv, "ordered": Hv // 2, "grouped": Hqk}[pair_sum]  # dq and dk rows per token
     dq, dk = (torch.empty(B * T, rows, D, dtype=do.dtype, device=device) for _ in range(2))
     dv = torch.empty(B * T, Hv, D, dtype=do.dtype, device=device)

@@ -241,7 +241,7 @@ def build_chunk_bwd_local(dtype: str, pair_sum: str = "none"):
         search_steps: T.int32,
         num_ctas: T.int32,
     ):
-        prelude = FENCE_PRELUDE + BULK_WAIT_PRELUDE if grouped else FENCE_PRELUDE if ordered else None
+        prelude = FENCE_PRELUDE + (BULK_WAIT_PRELUDE if grouped else "") if in_units else None
         with T.Kernel(num_ctas, threads=2 * WG, prelude=prelude) as (cta,):
             group = T.alloc_var("int32")
             group = num_v_heads // num_qk_heads
@@ -315,7 +315,7 @@ def build_chunk_bwd_local(dtype: str, pair_sum: str = "none"):
 
             tx = T.get_thread_binding()
             # work items (chunk, v-head), chunk fastest, the real chunks only; CTA cta takes every num_ctas-th
-            # ("ordered": every num_ctas-th (chunk, v-head pair), as two items: the pair's even v-head, then its odd)
+            # (in units: every num_ctas-th (chunk, v-head pair or group), as `width` items, the unit's v-heads in order)
             num_chunks = T.alloc_var("int32")
             my_items = T.alloc_var("int32")
             num_chunks = chunk_offsets[num_seqs]
@@ -365,8 +365,8 @@ def build_chunk_bwd_local(dtype: str, pair_sum: str = "none"):
                         item = width * unit - (width - 1) * (unit % num_chunks) + it % width * num_chunks
                         unit = cta + (it + 1) // width * num_ctas
                         nitem = width * unit - (width - 1) * (unit % num_chunks) + (it + 1) % width * num_chunks
-                        # one search per pair: this item's chunk was the previous item's next (the first item's is
-                        # searched), and the next item's is this one's (the pair's odd v-head) or searched
+                        # one search per unit: this item's chunk was the previous item's next (the first item's is
+                        # searched), and the next item's is this one's (the unit's next v-head) or searched
                         t0_ = T.alloc_var("int32")
                         n_rows_ = T.alloc_var("int32")
                         nt0_ = T.alloc_var("int32")
@@ -384,10 +384,10 @@ def build_chunk_bwd_local(dtype: str, pair_sum: str = "none"):
                             nt0_ = t0_
                             nn_rows_ = n_rows_
                         else:
-                            _, pair_t0, pair_rows = chunk_of_slot(cu_seqlens, chunk_offsets, num_seqs,
+                            _, unit_t0, unit_rows = chunk_of_slot(cu_seqlens, chunk_offsets, num_seqs,
                                                                   nitem % num_chunks, search_steps)
-                            nt0_ = pair_t0
-                            nn_rows_ = pair_rows
+                            nt0_ = unit_t0
+                            nn_rows_ = unit_rows
                     else:
                         item = cta + it * num_ctas
                         nitem = item + num_ctas

@@ -88,6 +88,18 @@ def test_fp16_inputs(poisoned_outputs):
     assert_grads_match(make_call([1, 190, 64], 4, 16, dtype=torch.float16, seed=5))
 
 
+def twice_then_per_head(call, intra_cp, seed, monkeypatch):
+    """The gradients of one (dO, dht) drawn from `seed`: from two runs as the environment stands, then from one with
+    FLASHQLA_GQA_PAIR_SUM=0 (dq and dk per v-head, summed by the GQA sum kernel alone)."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    v = call["v"]
+    do = torch.randn(v.shape, generator=gen, device="cuda").to(v.dtype)
+    dht = torch.randn(len(call["cu_seqlens"]) - 1, v.shape[-2], D, D, generator=gen, device="cuda") * 0.1
+    runs = [op_grads(call, do, dht, backend="tilelang", intra_cp=intra_cp) for _ in range(2)]
+    monkeypatch.setenv("FLASHQLA_GQA_PAIR_SUM", "0")
+    return runs, op_grads(call, do, dht, backend="tilelang", intra_cp=intra_cp)
+
+
 @pytest.mark.parametrize("Hqk,Hv,dtype", [(2, 4, torch.bfloat16), (4, 8, torch.float16), (1, 4, torch.bfloat16),
                                           (2, 16, torch.bfloat16)], ids=["gqa2", "gqa2_fp16", "gqa4", "gqa8"])
 @pytest.mark.parametrize("intra_cp", ["off", 3])
@@ -100,12 +112,7 @@ def test_gqa_pair_sums_in_the_kernel(Hqk, Hv, dtype, intra_cp, poisoned_outputs,
     FLASHQLA_GQA_PAIR_SUM=0 (the GQA sum of the same rounded tiles)."""
     call = make_call([1, 65, 64, 130, 7, 200, 1, 129], Hqk, Hv, dtype=dtype, seed=40 + Hv)
     assert_grads_match(call, intra_cp=intra_cp)
-    gen = torch.Generator(device="cuda").manual_seed(41)
-    do = torch.randn(call["v"].shape, generator=gen, device="cuda").to(dtype)
-    dht = torch.randn(len(call["cu_seqlens"]) - 1, Hv, D, D, generator=gen, device="cuda") * 0.1
-    paired = [op_grads(call, do, dht, backend="tilelang", intra_cp=intra_cp) for _ in range(2)]
-    monkeypatch.setenv("FLASHQLA_GQA_PAIR_SUM", "0")
-    unpaired = op_grads(call, do, dht, backend="tilelang", intra_cp=intra_cp)
+    paired, unpaired = twice_then_per_head(call, intra_cp, 41, monkeypatch)
     for name in unpaired:
         assert torch.equal(paired[0][name], paired[1][name]), f"d{name} differs between two runs"
         if Hv // Hqk == 2:
@@ -123,12 +130,7 @@ def test_whole_gqa_group_sums_in_the_kernel(Hqk, Hv, dtype, intra_cp, poisoned_o
     call = make_call([1, 65, 64, 130, 7, 200, 1, 129], Hqk, Hv, dtype=dtype, seed=50 + Hv)
     monkeypatch.setenv("FLASHQLA_GQA_GROUP_SUM", "1")
     assert_grads_match(call, intra_cp=intra_cp)
-    gen = torch.Generator(device="cuda").manual_seed(51)
-    do = torch.randn(call["v"].shape, generator=gen, device="cuda").to(dtype)
-    dht = torch.randn(len(call["cu_seqlens"]) - 1, Hv, D, D, generator=gen, device="cuda") * 0.1
-    grouped = [op_grads(call, do, dht, backend="tilelang", intra_cp=intra_cp) for _ in range(2)]
-    monkeypatch.setenv("FLASHQLA_GQA_PAIR_SUM", "0")
-    per_head = op_grads(call, do, dht, backend="tilelang", intra_cp=intra_cp)
+    grouped, per_head = twice_then_per_head(call, intra_cp, 51, monkeypatch)
     for name in per_head:
         assert torch.equal(grouped[0][name], grouped[1][name]), f"d{name} differs between two runs"
         if name in ("q", "k"):
