@@ -11,7 +11,10 @@ and the report says so. Also reported: the peak memory the backward adds on top 
 tensors.
 
     python benchmarks/bench_bwd.py [--impls flashqla,flashqla_cp,fla,flash_qla] [--heads 4:8,2:4] [--reps 10]
-        [--graphs] [--out docs/benchmarks_bwd.md]
+        [--graphs] [--out docs/benchmarks_bwd.md] [--rows-json rows.json] [--merge earlier_rows.json]
+
+A matrix too long for one device call runs in parts (--heads) on the same machine, each part writing
+--rows-json; the last part passes the earlier parts' files to --merge and reports (and charts) them all.
 
 An implementation may name environment variables it runs under, after an @ (several joined by +): e.g.
 `--impls flashqla_cp,flashqla_cp@FLASHQLA_GQA_PAIR_SUM=0,flash_qla` times flashqla's default backward and the
@@ -28,6 +31,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import json
 import math
 import os
 import time
@@ -165,6 +169,11 @@ def main():
     ap.add_argument("--heads", default=None, help="Hqk:Hv pairs of the matrix to run, e.g. 4:8,2:4 (default: all)")
     ap.add_argument("--refuse-peer-jit", action="store_true",
                     help="FlashQLA's configurations whose TileLang kernels are not cached fail instead of compiling")
+    ap.add_argument("--rows-json", default="", help="write the finished rows and notes here after every config (a "
+                    "run cut short keeps what it measured)")
+    ap.add_argument("--merge", action="append", default=[], help="--rows-json of an earlier run of other configs "
+                    "(same machine, versions and --impls) to report with this run's; its configs are not run again; "
+                    "repeatable")
     args = ap.parse_args()
     impls = args.impls.split(",")
     fns, notes = {}, []
@@ -173,9 +182,11 @@ def main():
             fns[impl] = forward_fn(impl_environment(impl)[0])
         except Exception as exc:
             notes.append(f"- {impl} unavailable: {exc.__class__.__name__}: {exc}")
-    rows, vers, peaks = [], versions(), measure_peaks(eager_median_ms)
+    vers, peaks = versions(), measure_peaks(eager_median_ms)
     print(f"peaks: {peaks.describe()}", flush=True)
     notes.append(f"- floors (benchmarks/floors.py) at the peaks: {peaks.describe()}")
+    rows, earlier_notes = merged_run(args.merge)
+    notes += earlier_notes
     timing = "CUDA-graph replays, median of 50" if args.graphs else f"eager, median of {args.reps}"
     heads, seqs = ([(16, 32), (2, 4)], [1]) if args.quick else (HEADS, SEQS)
     if args.heads:
@@ -183,6 +194,8 @@ def main():
     for Hqk, Hv in heads:
         for T in TOKENS:
             for n in seqs:
+                if any(config_key(r) == (Hqk, Hv, T, n) for r in rows):
+                    continue
                 inputs = make_inputs(Hqk, Hv, [T // n] * n)
                 do = torch.randn_like(inputs[2])
                 row = dict(Hqk=Hqk, Hv=Hv, T=T, n=n, floors=backward_floors_us(Hqk, Hv, T, peaks))
@@ -203,14 +216,41 @@ def main():
                         notes.append(f"- {impl} failed on ({Hqk},{Hv}) {T}/{n}: {exc.__class__.__name__}: {str(exc)[:160]}")
                         print(notes[-1], flush=True)
                 rows.append(row)
+                rows.sort(key=matrix_order)
+                if args.rows_json:
+                    with open(args.rows_json, "w") as f:
+                        json.dump(dict(rows=rows, notes=notes), f)
                 fmt = {k: (None if v is None else tuple(round(x, 3) for x in v)) for k, v in row.items() if k in fns}
                 print(f"({Hqk:2d},{Hv:2d}) {T:6d} x{n}: (fwd ms, fwd+bwd ms, peak MiB) {fmt} (s: {seconds})", flush=True)
                 del inputs, do
                 torch.cuda.empty_cache()
-                report = write_report(args.out, rows, list(fns), vers, notes, timing)  # a cut-off run keeps its rows
+                write_report(args.out, rows, list(fns), vers, notes, timing)  # a cut-off run keeps its rows
+    report = write_report(args.out, rows, list(fns), vers, notes, timing)
     if args.png:
         plot(args.png, rows, list(fns), "CUDA graphs" if args.graphs else "eager", vers["gpu"])
     print(report)
+
+
+def config_key(row) -> tuple[int, int, int, int]:
+    return row["Hqk"], row["Hv"], row["T"], row["n"]
+
+
+def matrix_order(row) -> tuple:
+    """Rows in the matrix's order (HEADS, then tokens, then sequences); heads outside HEADS after them."""
+    Hqk, Hv, T, n = config_key(row)
+    return (HEADS.index((Hqk, Hv)) if (Hqk, Hv) in HEADS else len(HEADS), Hqk, Hv, T, n)
+
+
+def merged_run(paths) -> tuple[list[dict], list[str]]:
+    """The rows and notes of earlier runs' --rows-json files; a config in two of them keeps the later file's
+    row."""
+    by_config, notes = {}, []
+    for path in paths:
+        with open(path) as f:
+            run = json.load(f)
+        by_config.update((config_key(r), r) for r in run["rows"])
+        notes += [note for note in run["notes"] if note not in notes]
+    return sorted(by_config.values(), key=matrix_order), notes
 
 
 def write_report(path, rows, impls, vers, notes, timing="eager"):

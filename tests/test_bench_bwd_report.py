@@ -32,6 +32,23 @@ def test_report_gives_each_peer_ratio_per_row_and_geomeans(tmp_path):
     assert report.rstrip().endswith("- a note")
 
 
+def test_parts_of_a_matrix_merge_in_matrix_order_the_later_row_kept(tmp_path):
+    """A matrix run in parts: each part's --rows-json (JSON turns the tuples into lists, as the report reads
+    them), merged in the matrix's order, a config measured twice taking the later part's row, notes once."""
+    import json
+
+    first, second = tmp_path / "a.json", tmp_path / "b.json"
+    json.dump(dict(rows=[ROWS[1], dict(ROWS[0], flash_qla=(1.0, 9.0, 1.0))], notes=["- a", "- b"]), first.open("w"))
+    json.dump(dict(rows=[ROWS[0]], notes=["- b", "- c"]), second.open("w"))
+    rows, notes = bench_bwd.merged_run([first, second])
+    assert [bench_bwd.config_key(r) for r in rows] == [(16, 32, 8192, 1), (2, 4, 32768, 2)]
+    assert rows[0]["flash_qla"] == [1.0, 2.0, 400.0] and notes == ["- a", "- b", "- c"]
+    report = bench_bwd.write_report(tmp_path / "m.md", rows, ["flashqla_cp", "fla", "flash_qla"], {}, notes)
+    assert "| 2.00x (1.67x) | 0.50x (0.67x) | 100 / 250 | 8.0x |" in report
+    # heads outside the published matrix sort after it
+    assert bench_bwd.matrix_order(dict(Hqk=2, Hv=8, T=8192, n=1)) > bench_bwd.matrix_order(ROWS[1])
+
+
 def test_chart_is_written(tmp_path):
     bench_bwd.plot(tmp_path / "bwd.png", ROWS, ["flashqla_cp", "fla", "flash_qla"])
     assert (tmp_path / "bwd.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
