@@ -185,8 +185,7 @@ def emulate_chunk_bwd_local(q, k, v, do, GA, gcum, beta, h, dh, cu, offsets, dq,
     """reference.chunk_backward per chunk on its zero-padded rows (the kernel's masking), dg summed; its A is
     GA / Gamma (0 where Gamma underflows: those entries of GA are 0 and reach no gradient term beyond it).
     pair_sum "ordered": dq and dk [T, Hv / 2, 128] hold each v-head pair's sum of its rows, each rounded to the
-    dtype, in place of what is there (the pair's first v-head stores, the second adds); "grouped": [T, Hqk, 128],
-    each GQA group's rows added in v-head order, rounded to the dtype after each add (the kernel's TMA reduces)."""
+    dtype, in place of what is there (the pair's first v-head stores, the second adds by TMA reduce)."""
     from flashqla.kernels.hopper import launch
     from flashqla.ops import reference
 
@@ -203,19 +202,15 @@ def emulate_chunk_bwd_local(q, k, v, do, GA, gcum, beta, h, dh, cu, offsets, dq,
         b = reference.backward_terms(x, one(do), scale)
         slot = offsets[n] + c
         gq, gk, gv, ggc, gbeta = reference.chunk_backward(x, b, h[slot].double()[None, None], dh[slot].double()[None, None])
-        summed = pair_sum != "none"
+        summed = pair_sum == "ordered"
         for out, grad in ((dv, gv), (dbeta, gbeta)) if summed else ((dq, gq), (dk, gk), (dv, gv), (dbeta, gbeta)):
             _store(out, t0, rows, grad[0, 0])
         if summed:
-            width = 2 if pair_sum == "ordered" else v.shape[1] // q.shape[1]
-            if dq.shape[1] * width != v.shape[1]:
+            if dq.shape[1] * 2 != v.shape[1]:
                 raise ValueError(f"pair_sum {pair_sum}: dq has {dq.shape[1]} heads for {v.shape[1]} v-heads")
             for out, grad in ((dq, gq), (dk, gk)):
                 each = grad[0, 0, :, :rows].to(out.dtype).float()  # [Hv, rows, D], rounded per v-head
-                total = each[0::width]
-                for e in range(1, width):
-                    total = (total + each[e::width]).to(out.dtype).float()
-                out[t0:t0 + rows] = total.movedim(0, 1).to(out.dtype)
+                out[t0:t0 + rows] = (each[0::2] + each[1::2]).movedim(0, 1).to(out.dtype)
         dg[:, t0:t0 + rows] = reference.gate_gradient(ggc)[0, 0, :, :rows].to(dg.dtype)
 
 

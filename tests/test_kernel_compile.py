@@ -74,8 +74,7 @@ PIPELINED = [("fused_fwd", "build_fused_fwd", ("bfloat16", 32)), ("fused_fwd", "
              ("chunk_dstates", "build_chunk_dstates", ("bfloat16", 128)),
              ("chunk_states", "build_chunk_states", ("bfloat16", 128)),
              ("chunk_bwd_local", "build_chunk_bwd_local", ("bfloat16", "none")),
-             ("chunk_bwd_local", "build_chunk_bwd_local", ("bfloat16", "ordered")),
-             ("chunk_bwd_local", "build_chunk_bwd_local", ("bfloat16", "grouped"))]
+             ("chunk_bwd_local", "build_chunk_bwd_local", ("bfloat16", "ordered"))]
 
 
 def _serialisation_of(module, builder, args):

@@ -5,10 +5,10 @@
     fused_fwd (states)    the state entering every chunk (input dtype): the forward's walk again, without O
     chunk_dstates         the reverse walk: the gradient of the state leaving every chunk, and dS0
                           (beside the state walk on a second stream when one walk leaves SMs idle)
-    chunk_bwd_local       every chunk at once: dq, dk (per v-head, v-head pair or group: `dqk_sum_build`), dv, dg,
+    chunk_bwd_local       every chunk at once: dq, dk (per v-head or v-head pair: `dqk_sum_build`), dv, dg,
                           dbeta from those two
     gqa_sum               dq and dk summed over each GQA group (fp32 accumulation), both in one launch; with the
-                          pairs summed, over the rest of the group (none at 2 v-heads per k-head, or grouped)
+                          pairs summed, over the rest of the group (none at 2 v-heads per k-head)
 
 Of the forward the backward reads its inputs and, when kept, GA and the cumulative gates (the forward's own
 tensors: 132 bytes per token and v-head held until the backward). The kernels read dO as given and apply the
@@ -51,11 +51,6 @@ def side_by_side(device: torch.device, side, main):
 
 
 PAIR_SUM_ENV = "FLASHQLA_GQA_PAIR_SUM"
-GROUP_SUM_ENV = "FLASHQLA_GQA_GROUP_SUM"
-
-
-def _switch(env: str, default: str) -> bool:
-    return os.environ.get(env, default).strip().lower() not in ("0", "off", "false", "no")
 
 
 def dqk_sum_build(group: int) -> str:
@@ -65,14 +60,9 @@ def dqk_sum_build(group: int) -> str:
     odd one. No GQA sum runs then at 2 v-heads per k-head, and it sums half the rows at 4 or 8; the G = 2 outputs
     equal the GQA sum's (a sum of two 16-bit values rounded once, in either order). 4-6% off the backward at (16,
     32) (docs/kernels.md, "Fortieth session"); FLASHQLA_GQA_PAIR_SUM=0 (or off/false/no) turns it off, for A/B
-    runs and bisecting. With FLASHQLA_GQA_GROUP_SUM=1, at 3 or more v-heads per k-head "grouped": one CTA takes
-    the whole group of a chunk and the sum is complete in the kernel (no GQA sum at all; G - 1 roundings in item
-    order, deterministic); off until measured on a GPU."""
-    if not _switch(PAIR_SUM_ENV, "1"):
-        return "none"
-    if group > 2 and _switch(GROUP_SUM_ENV, "0"):
-        return "grouped"
-    return "ordered" if group % 2 == 0 else "none"
+    runs and bisecting."""
+    switched_off = os.environ.get(PAIR_SUM_ENV, "1").strip().lower() in ("0", "off", "false", "no")
+    return "ordered" if group % 2 == 0 and not switched_off else "none"
 
 
 def output_gradient(x: ChunkedCall, do: torch.Tensor) -> torch.Tensor:
@@ -128,7 +118,7 @@ def backward_of(x: ChunkedCall, q, k, v, g, beta, do, scale, h0, dht):
     # T x Hv x 512 bytes less memory at the peak); the sums accumulate in fp32 and round once more
     group = Hv // Hqk
     pair_sum = dqk_sum_build(group)
-    rows = {"none": Hv, "ordered": Hv // 2, "grouped": Hqk}[pair_sum]  # dq and dk rows per token
+    rows = Hv // 2 if pair_sum == "ordered" else Hv  # dq and dk rows per token
     dq, dk = (torch.empty(B * T, rows, D, dtype=do.dtype, device=device) for _ in range(2))
     dv = torch.empty(B * T, Hv, D, dtype=do.dtype, device=device)
     dg = torch.empty(Hv, B * T, dtype=torch.float32, device=device)

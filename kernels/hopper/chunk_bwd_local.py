@@ -55,10 +55,9 @@ the next sequence's rows as they are, before or after those rows' own writers; t
 T. (A build where every item reduced into outputs the caller had zeroed timed from 2% faster to 5% slower and
 was dropped, docs/kernels.md "Fortieth session".)
 
-"grouped" (any GQA group of 3 or more; switched off until measured): the same with a CTA taking all G v-heads of
-a chunk, into [T, Hqk, 128]: the first stores, each of the others adds by TMA reduce once the previous reduce
-has completed (`cp.async.bulk.wait_group 0` before it, by then long done), so the G - 1 adds land in v-head
-order and the bits do not depend on timing; no GQA sum runs.
+(A "grouped" build, a CTA taking all G v-heads of a chunk into [T, Hqk, 128], the first storing and the others
+adding in v-head order, passed the GPU tests but was 3-12% slower at 4 v-heads per k-head and level at 8; removed,
+docs/kernels.md "Forty-first session".)
 
 Persistent: `num_ctas` CTAs (one per SM: one fits by registers and shared memory) take every num_ctas-th
 item of the real chunks (chunk fastest), so that the next item's tiles load while this one computes. Each
@@ -125,10 +124,7 @@ VALUES_BARRIER, GRADS_BARRIER = 12, 13  # named barriers of one warpgroup (TileL
 # the fence TileLang lacks: generic-proxy writes to global memory before an async-proxy (TMA) access to them
 FENCE_PRELUDE = ('\n__device__ __forceinline__ void fence_proxy_async_all() '
                  '{ asm volatile("fence.proxy.async;" ::: "memory"); }\n')
-# "grouped": a thread's earlier bulk reduces complete (not only read their shared tile) before it issues the next
-# onto the same rows, so the rows' adds come in item order and the sum's bits do not depend on timing
-BULK_WAIT_PRELUDE = ('__device__ __forceinline__ void bulk_async_wait_all() '
-                     '{ asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }\n')
+PAIR = 2  # v-heads per unit of the "ordered" build
 
 
 def build_chunk_bwd_local(dtype: str, pair_sum: str = "none"):
@@ -136,15 +132,14 @@ def build_chunk_bwd_local(dtype: str, pair_sum: str = "none"):
     one build serves every device. With a `pair_sum` (an even GQA group: v-heads 2m and 2m + 1 read the same k-head)
     dq and dk are [T, Hv / 2, 128] and each pair's tiles are summed there (see "GQA pair sums" above): with
     "ordered", one CTA takes both v-heads of a chunk one after the other, the first storing its tiles and the
-    second adding to them; "grouped", all G v-heads of a chunk into [T, Hqk, 128], the same way."""
+    second adding to them."""
     if pair_sum not in PAIR_SUMS:
         raise ValueError(f"pair_sum must be one of {PAIR_SUMS}, got {pair_sum!r}")
-    ordered, grouped = pair_sum == "ordered", pair_sum == "grouped"  # (TileLang folds Python bools silently)
-    in_units = ordered or grouped  # a CTA takes the v-heads of a (chunk, pair or GQA group) as consecutive items
+    ordered = pair_sum == "ordered"  # a CTA takes both v-heads of a (chunk, pair) as consecutive items
     num_tokens = T.dynamic("num_tokens")
     num_qk_heads = T.dynamic("num_qk_heads")
     num_v_heads = T.dynamic("num_v_heads")
-    num_dqk_heads = T.dynamic("num_v_pairs") if ordered else num_qk_heads if grouped else num_v_heads
+    num_dqk_heads = T.dynamic("num_v_pairs") if ordered else num_v_heads
     num_seqs = T.dynamic("num_seqs")
     num_chunk_slots = T.dynamic("num_chunk_slots")
     C, D, WG = CHUNK, HEAD_DIM, WARPGROUP
@@ -170,22 +165,18 @@ def build_chunk_bwd_local(dtype: str, pair_sum: str = "none"):
                 out[t0 + r, hv, j] = tile[r, j]
 
     @T.macro
-    def leave(tile, out, t0, hv, n_rows, first, width):
-        """dq or dk of v-head hv from shared memory: its rows (`store_rows`), or into row hv // width of its unit
-        (pair or group): the unit's `first` v-head stores its rows and fences them for the others' whole chunks,
-        each added by one TMA reduce, issued by one thread, which waits until the tile is read ("grouped": and,
-        before it, until its previous reduce has completed). Rows past the
-        sequence end are zero there (built from zeroed Q, K, dO, V', G rows) and leave the rows they land on as they
-        are, whatever order their own writers come in, so a partial chunk needs no mask; rows past T are clipped by
-        the TMA unit."""
-        if in_units:
+    def leave(tile, out, t0, hv, n_rows, first):
+        """dq or dk of v-head hv from shared memory: its rows (`store_rows`), or ("ordered") into row hv // 2 of its
+        pair: the pair's `first` v-head stores its rows and fences them for the second's whole chunk, added by one
+        TMA reduce, issued by one thread, which waits until the tile is read. Rows past the sequence end are zero
+        there (built from zeroed Q, K, dO, V', G rows) and leave the rows they land on as they are, whatever order
+        their own writers come in, so a partial chunk needs no mask; rows past T are clipped by the TMA unit."""
+        if ordered:
             if first:
-                store_rows(tile, out, t0, hv // width, n_rows)
+                store_rows(tile, out, t0, hv // PAIR, n_rows)
                 T.call_extern("handle", "fence_proxy_async_all")
             else:
-                if grouped:
-                    T.call_extern("handle", "bulk_async_wait_all")
-                atomic_add(out[t0:t0 + C, hv // width, 0:D], tile, use_tma=True)
+                atomic_add(out[t0:t0 + C, hv // PAIR, 0:D], tile, use_tma=True)
         else:
             store_rows(tile, out, t0, hv, n_rows)
 
@@ -241,11 +232,10 @@ def build_chunk_bwd_local(dtype: str, pair_sum: str = "none"):
         search_steps: T.int32,
         num_ctas: T.int32,
     ):
-        prelude = FENCE_PRELUDE + (BULK_WAIT_PRELUDE if grouped else "") if in_units else None
+        prelude = FENCE_PRELUDE if ordered else None
         with T.Kernel(num_ctas, threads=2 * WG, prelude=prelude) as (cta,):
             group = T.alloc_var("int32")
             group = num_v_heads // num_qk_heads
-            width = 2 if ordered else group  # items per unit (in_units)
             Q_s = T.alloc_shared((C, D), dtype)
             K_s = T.alloc_shared((2, C, D), dtype)  # by item parity: the next item's K arrives during this one
             dO_s = T.alloc_shared((C, D), dtype)
@@ -315,12 +305,12 @@ def build_chunk_bwd_local(dtype: str, pair_sum: str = "none"):
 
             tx = T.get_thread_binding()
             # work items (chunk, v-head), chunk fastest, the real chunks only; CTA cta takes every num_ctas-th
-            # (in units: every num_ctas-th (chunk, v-head pair or group), as `width` items, the unit's v-heads in order)
+            # ("ordered": every num_ctas-th (chunk, v-head pair), as two items, the pair's v-heads in order)
             num_chunks = T.alloc_var("int32")
             my_items = T.alloc_var("int32")
             num_chunks = chunk_offsets[num_seqs]
-            if in_units:
-                my_items = width * T.max((num_chunks * (num_v_heads // width) - cta + num_ctas - 1) // num_ctas, 0)
+            if ordered:
+                my_items = PAIR * T.max((num_chunks * (num_v_heads // PAIR) - cta + num_ctas - 1) // num_ctas, 0)
             else:
                 my_items = T.max((num_chunks * num_v_heads - cta + num_ctas - 1) // num_ctas, 0)
 
@@ -328,7 +318,7 @@ def build_chunk_bwd_local(dtype: str, pair_sum: str = "none"):
                 chunk0 = T.alloc_var("int32")
                 hv0 = T.alloc_var("int32")
                 chunk0 = cta % num_chunks
-                hv0 = cta // num_chunks * (width if in_units else 1)
+                hv0 = cta // num_chunks * (PAIR if ordered else 1)
                 seq0, s0, n0 = chunk_of_slot(cu_seqlens, chunk_offsets, num_seqs, chunk0, search_steps)
                 if tx < WG:
                     T.tma_copy(v[s0:s0 + C, hv0, 0:D], V_s, barrier=v_full)
@@ -359,14 +349,14 @@ def build_chunk_bwd_local(dtype: str, pair_sum: str = "none"):
                     # finish), for both warpgroups: the gradients warpgroup reads them after k_ready
                     item = T.alloc_var("int32")
                     nitem = T.alloc_var("int32")
-                    if in_units:  # item = v-head x num_chunks + chunk, of unit cta + (it // width) num_ctas
+                    if ordered:  # item = v-head x num_chunks + chunk, of unit cta + (it // 2) num_ctas
                         unit = T.alloc_var("int32")
-                        unit = cta + it // width * num_ctas
-                        item = width * unit - (width - 1) * (unit % num_chunks) + it % width * num_chunks
-                        unit = cta + (it + 1) // width * num_ctas
-                        nitem = width * unit - (width - 1) * (unit % num_chunks) + (it + 1) % width * num_chunks
-                        # one search per unit: this item's chunk was the previous item's next (the first item's is
-                        # searched), and the next item's is this one's (the unit's next v-head) or searched
+                        unit = cta + it // PAIR * num_ctas
+                        item = PAIR * unit - (PAIR - 1) * (unit % num_chunks) + it % PAIR * num_chunks
+                        unit = cta + (it + 1) // PAIR * num_ctas
+                        nitem = PAIR * unit - (PAIR - 1) * (unit % num_chunks) + (it + 1) % PAIR * num_chunks
+                        # one search per pair: this item's chunk was the previous item's next (the first item's is
+                        # searched), and the next item's is this one's (the pair's second v-head) or searched
                         t0_ = T.alloc_var("int32")
                         n_rows_ = T.alloc_var("int32")
                         nt0_ = T.alloc_var("int32")
@@ -379,8 +369,7 @@ def build_chunk_bwd_local(dtype: str, pair_sum: str = "none"):
                         else:
                             t0_ = work_sh[1 - buf, 3]
                             n_rows_ = work_sh[1 - buf, 7]
-                        # the next item is this unit's next v-head (written as the measured pair build had it)
-                        if (it % 2 == 0) if ordered else ((it + 1) % width != 0):
+                        if it % 2 == 0:  # the next item is this pair's second v-head
                             nt0_ = t0_
                             nn_rows_ = n_rows_
                         else:
@@ -612,7 +601,7 @@ def build_chunk_bwd_local(dtype: str, pair_sum: str = "none"):
                     T.warpgroup_fence_operand(acc_q, num_regs=C * D // WG)
                     # dq leaves through V_new's tile (both products reading it are done)
                     T.copy(acc_q, Vn_s)
-                    if in_units:
+                    if ordered:
                         T.fence_proxy_async()  # the TMA reduce reads it (after the barrier below)
                     T.wait_wgmma(0)
                     T.warpgroup_fence_operand(acc_k, num_regs=C * D // WG)
@@ -625,7 +614,7 @@ def build_chunk_bwd_local(dtype: str, pair_sum: str = "none"):
                         T.barrier_arrive(q_full)
                         T.barrier_arrive(ds_full)
                         T.barrier_arrive(do_full)
-                    leave(Vn_s, dq, t0, hv, n_rows, it % width == 0, width)
+                    leave(Vn_s, dq, t0, hv, n_rows, it % PAIR == 0)
                     # dk += diag(gamma_last / gamma) V_new dS^T;  F = that scale o rowsum(K o V_new dS^T) (its sum
                     # joins the last row's dgc)
                     for r, j in T.Parallel(C, D):
@@ -659,10 +648,10 @@ def build_chunk_bwd_local(dtype: str, pair_sum: str = "none"):
                     T.warpgroup_fence_operand(acc_k, num_regs=C * D // WG)
                     T.sync_threads(GRADS_BARRIER, WG)  # dq's stores have read Vn_s
                     T.copy(acc_k, Vn_s)  # dk leaves through V_new's tile too
-                    if in_units:
+                    if ordered:
                         T.fence_proxy_async()
                     T.sync_threads(GRADS_BARRIER, WG)
-                    leave(Vn_s, dk, t0, hv, n_rows, it % width == 0, width)
+                    leave(Vn_s, dk, t0, hv, n_rows, it % PAIR == 0)
                     # dg = reverse cumsum of dgc over the rows that exist, plus the last row's sum(F) and gamma_last
                     # <S, dS>, which reach every row: row r of [s >= r] dgc[s] + (F + those shares)[s], summed over s
                     # (the values warpgroup's shares of dgc were written before g_ready)

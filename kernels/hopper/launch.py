@@ -37,9 +37,8 @@ ALWAYS_M = 4  # M_j is read whatever the warmup (the backward's scan into a give
 FORCE_S = 8  # S*_j over the whole row (the state leaving the call)
 FORCE_M = 16  # M_j likewise
 
-# chunk_bwd_local's builds (its `pair_sum`): how the dq and dk of a v-head pair or GQA group meet in the kernel, if
-# they do
-PAIR_SUMS = ("none", "ordered", "grouped")
+# chunk_bwd_local's builds (its `pair_sum`): whether the dq and dk of a v-head pair meet in the kernel
+PAIR_SUMS = ("none", "ordered")
 
 _TORCH_TO_TL = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 KERNEL_DTYPES = tuple(_TORCH_TO_TL.values())
@@ -97,7 +96,7 @@ def compiled_chunk_dstates(dtype: str, block_v: int):
 @functools.lru_cache(maxsize=None)
 def compiled_chunk_bwd_local(dtype: str, pair_sum: str):
     """The compiled chunk-local backward (chunk_bwd_local.py) for `dtype` (persistent: launched with the SM count
-    of the device as its last argument); `pair_sum` ("none", "ordered", "grouped"): how dq and dk are summed over
+    of the device as its last argument); `pair_sum` ("none", "ordered"): whether dq and dk are summed over
     v-head pairs in the kernel, if they are."""
     label = f"chunk_bwd_local({dtype})" if pair_sum == "none" else f"chunk_bwd_local({dtype}, {pair_sum})"
     return compile_from("chunk_bwd_local", "build_chunk_bwd_local", label, dtype, pair_sum)

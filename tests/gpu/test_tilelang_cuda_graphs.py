@@ -34,11 +34,10 @@ PACKS = {"pack": [700, 1, 2395], "one sequence": [3000]}
 
 @pytest.mark.parametrize("lengths", PACKS.values(), ids=PACKS.keys())
 @pytest.mark.parametrize("intra_cp", ["off", 4])
-@pytest.mark.parametrize("sums", [{}, {"FLASHQLA_GQA_PAIR_SUM": "0"}, {"FLASHQLA_GQA_GROUP_SUM": "1"}],
-                         ids=["pair_ordered", "pair_none", "group"])
+@pytest.mark.parametrize("sums", [{}, {"FLASHQLA_GQA_PAIR_SUM": "0"}], ids=["pair_ordered", "pair_none"])
 def test_forward_and_backward_replay_from_a_cuda_graph(intra_cp, lengths, sums, monkeypatch):
-    """(sums: the backward's GQA sums inside chunk_bwd_local at 4 v-heads per k-head: by pairs, by the GQA sum
-    kernel alone, or the whole group.)"""
+    """(sums: the backward's GQA sums at 4 v-heads per k-head: by pairs inside chunk_bwd_local, then the GQA sum
+    kernel, or by the GQA sum kernel alone.)"""
     for env, value in sums.items():
         monkeypatch.setenv(env, value)
     call = make_call(lengths, 2, 8)
