@@ -10,12 +10,14 @@ published matrix was timed); an implementation that cannot be captured (a host s
 and the report says so. Also reported: the peak memory the backward adds on top of the forward's saved
 tensors.
 
-    python benchmarks/bench_bwd.py [--impls flashqla,flashqla_cp,fla,flash_qla] [--heads 4:8,2:4] [--reps 10]
+    python benchmarks/bench_bwd.py [--impls flashqla,flashqla_cp,flashqla_L16,fla,flash_qla] [--heads 4:8,2:4] [--reps 10]
         [--graphs] [--out docs/benchmarks_bwd.md] [--rows-json rows.json] [--merge earlier_rows.json]
 
 A matrix too long for one device call runs in parts (--heads) on the same machine, each part writing
 --rows-json; the last part passes the earlier parts' files to --merge and reports (and charts) them all.
 
+flashqla runs with intra-card CP off ("flashqla"), as the planner chooses ("flashqla_cp"), or with segments of n
+chunks forced ("flashqla_L<n>", e.g. flashqla_L8,flashqla_L16,flashqla_L32 to sweep what the planner picks from).
 An implementation may name environment variables it runs under, after an @ (several joined by +): e.g.
 `--impls flashqla_cp,flashqla_cp@FLASHQLA_GQA_PAIR_SUM=0,flash_qla` times flashqla's default backward and the
 one without the GQA pair sums side by side in one process (the variables are set around its forward and
@@ -52,12 +54,25 @@ TOKENS = [8192, 32768]
 SEQS = [1, 2, 4, 8]
 
 
+def flashqla_intra_cp(impl: str):
+    """The `intra_cp` of a flashqla implementation name: "flashqla" off, "flashqla_cp" "auto" (as the planner
+    chooses), "flashqla_L<n>" segments of n chunks forced (a sweep of the planner's choice); None for a peer."""
+    if impl in ("flashqla", "flashqla_cp"):
+        return "auto" if impl == "flashqla_cp" else "off"
+    if impl.startswith("flashqla_L"):
+        chunks = impl[len("flashqla_L"):]
+        if not chunks.isdigit() or int(chunks) < 1:
+            raise ValueError(f"{impl!r}: flashqla_L takes a segment length in chunks, e.g. flashqla_L16")
+        return int(chunks)
+    return None
+
+
 def forward_fn(impl):
     """impl -> f(q, k, v, g, beta, cu) -> o, through the implementation's autograd entry point."""
-    if impl in ("flashqla", "flashqla_cp"):  # flashqla_cp: intra-card CP as "auto" plans it
+    intra_cp = flashqla_intra_cp(impl)
+    if intra_cp is not None:
         import flashqla
 
-        intra_cp = "auto" if impl == "flashqla_cp" else "off"
         return lambda q, k, v, g, beta, cu: flashqla.chunk_gated_delta_rule(
             q, k, v, g, beta, cu_seqlens=cu, backend="tilelang", intra_cp=intra_cp)[0]
     if impl == "fla":

@@ -49,6 +49,16 @@ def test_parts_of_a_matrix_merge_in_matrix_order_the_later_row_kept(tmp_path):
     assert bench_bwd.matrix_order(dict(Hqk=2, Hv=8, T=8192, n=1)) > bench_bwd.matrix_order(ROWS[1])
 
 
+def test_flashqla_implementations_name_their_intra_card_cp():
+    assert bench_bwd.flashqla_intra_cp("flashqla") == "off"
+    assert bench_bwd.flashqla_intra_cp("flashqla_cp") == "auto"
+    assert bench_bwd.flashqla_intra_cp("flashqla_L16") == 16
+    assert bench_bwd.flashqla_intra_cp("flash_qla") is None and bench_bwd.flashqla_intra_cp("fla") is None
+    for bad in ("flashqla_L", "flashqla_L0", "flashqla_Lx"):
+        with pytest.raises(ValueError, match="segment length in chunks"):
+            bench_bwd.flashqla_intra_cp(bad)
+
+
 def test_chart_is_written(tmp_path):
     bench_bwd.plot(tmp_path / "bwd.png", ROWS, ["flashqla_cp", "fla", "flash_qla"])
     assert (tmp_path / "bwd.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
