@@ -7,12 +7,12 @@ import functools
 import importlib.util
 import itertools
 import logging
-import os
 from dataclasses import dataclass
 
 import torch
 
 from ..cp import segments
+from ..kernels import switched_on  # noqa: F401  (the switches' one reading; qk_norm and layers.fused import it here)
 from . import torch_backend
 from .layout import CHUNK
 
@@ -40,11 +40,6 @@ def tilelang_missing() -> str | None:
     if importlib.util.find_spec("tilelang") is None:
         return "tilelang is not installed; pip install 'flashqla[tilelang]'"
     return None
-
-
-def switched_on(env: str) -> bool:
-    """An on-by-default switch: False only when the environment variable `env` says 0/off/false/no."""
-    return os.environ.get(env, "1").strip().lower() not in ("0", "off", "false", "no")
 
 
 def hopper_device_reason(t: torch.Tensor, what: str) -> str | None:

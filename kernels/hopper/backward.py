@@ -19,10 +19,10 @@ sequences.
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
+from .. import switched_on
 from .launch import (HEAD_DIM, ChunkedCall, block_v_on, compiled_chunk_bwd_local, compiled_chunk_dstates,
                      compiled_gqa_sum, fused_states, prepare, prepare_from_kept, sm_count_on, walks_fill)
 
@@ -61,8 +61,7 @@ def dqk_sum_build(group: int) -> str:
     equal the GQA sum's (a sum of two 16-bit values rounded once, in either order). 4-6% off the backward at (16,
     32) (docs/kernels.md, "Fortieth session"); FLASHQLA_GQA_PAIR_SUM=0 (or off/false/no) turns it off, for A/B
     runs and bisecting."""
-    switched_off = os.environ.get(PAIR_SUM_ENV, "1").strip().lower() in ("0", "off", "false", "no")
-    return "ordered" if group % 2 == 0 and not switched_off else "none"
+    return "ordered" if group % 2 == 0 and switched_on(PAIR_SUM_ENV) else "none"
 
 
 def output_gradient(x: ChunkedCall, do: torch.Tensor) -> torch.Tensor:
