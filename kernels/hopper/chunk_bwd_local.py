@@ -369,7 +369,7 @@ def build_chunk_bwd_local(dtype: str, pair_sum: str = "none"):
                         else:
                             t0_ = work_sh[1 - buf, 3]
                             n_rows_ = work_sh[1 - buf, 7]
-                        if it % 2 == 0:  # the next item is this pair's second v-head
+                        if it % PAIR == 0:  # the next item is this pair's second v-head
                             nt0_ = t0_
                             nn_rows_ = n_rows_
                         else:
