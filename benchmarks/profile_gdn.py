@@ -3,12 +3,16 @@
     python benchmarks/profile_gdn.py step [--heads 16,32] [--tokens 32768] [--seqs 1] [--top 30] [--intra-cp 64]
     python benchmarks/profile_gdn.py first-call [--top 40]
     python benchmarks/profile_gdn.py plain [--heads 16,32] [--tokens 32768] [--seqs 8] [--steps 3] [--intra-cp auto]
+    python benchmarks/profile_gdn.py graph [--heads 2,8] [--tokens 32768] [--seqs 1] [--intra-cp auto] [--backward]
 
 `step`: torch.profiler over a few warm fwd+bwd calls; prints the CUDA kernels by total time (one table for
 the forward alone, one for fwd+bwd) and the host wall time per call, to find the stage to work on next.
 `first-call`: cProfile of the first fwd+bwd in this (fresh) process, sorted by cumulative time: run with
 an empty TILELANG_CACHE_DIR and FLASHQLA_PREBUILT_KERNELS pointing at a prebuilt tree to see what the
 first call of a user's process spends (issue 12).
+`graph`: the forward (or, with --backward, fwd+bwd) captured in one CUDA graph and replayed under the
+profiler: every kernel of one replay in launch order with its start and duration, and the replay's span
+against the sum of its kernels (what the boundaries between kernels cost).
 `plain`: a few fwd+bwd calls and nothing else (no profiler of its own), for Nsight Compute to attach to
 (scripts/device_ncu.sh).
 """
@@ -78,6 +82,56 @@ def profile_first_call(args):
     pstats.Stats(profiler).sort_stats("cumulative").print_stats(args.top)
 
 
+def _replay_kernels(graph, reps):
+    """[(name, start us, duration us)] of the kernels of the last of `reps` replays of `graph`."""
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            graph.replay()
+        torch.cuda.synchronize()
+    kernels = sorted((e.start_ns() / 1e3, e.duration_ns() / 1e3, e.name())
+                     for e in prof.profiler.kineto_results.events()
+                     if e.device_type() == torch.autograd.DeviceType.CUDA and e.duration_ns() > 0)
+    per_replay = len(kernels) // reps
+    return [(name, start, duration) for start, duration, name in kernels[-per_replay:]]
+
+
+def profile_graph(args):
+    label, inputs, do, intra_cp = _setup(args)
+    leaves = [t.detach().requires_grad_(args.backward) for t in inputs[:5]]
+
+    def step():
+        import flashqla
+
+        o, _ = flashqla.chunk_gated_delta_rule(*leaves, cu_seqlens=inputs[5], backend="tilelang",
+                                               intra_cp=intra_cp)
+        if args.backward:  # the gradients returned, not accumulated into .grad (as bench_bwd.py times them)
+            torch.autograd.grad(o, leaves, do)
+
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()
+        torch.cuda.synchronize()
+        with torch.cuda.graph(graph, stream=stream):
+            step()
+    torch.cuda.synchronize()
+    for _ in range(20):
+        graph.replay()
+    kernels = _replay_kernels(graph, 5)
+    first = kernels[0][1]
+    span = max(start + duration for _, start, duration in kernels) - first
+    busy = sum(duration for _, _, duration in kernels)
+    print(f"\n=== {label}: {'fwd+bwd' if args.backward else 'forward'} in one CUDA graph ===")
+    for name, start, duration in kernels:
+        print(f"  {start - first:9.1f} us  {duration:8.1f} us  {name[:90]}")
+    print(f"  {len(kernels)} kernels, span {span:.1f} us, sum of kernels {busy:.1f} us, "
+          f"difference {span - busy:.1f} us (boundaries, or overlap when negative)")
+
+
 def plain_steps(args):
     label, inputs, do, intra_cp = _setup(args)
     _fwd_bwd(inputs, do, intra_cp, args.steps)
@@ -86,15 +140,17 @@ def plain_steps(args):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("what", choices=["step", "first-call", "plain"])
+    ap.add_argument("what", choices=["step", "first-call", "plain", "graph"])
     ap.add_argument("--heads", default="16,32")
     ap.add_argument("--tokens", type=int, default=32768)
     ap.add_argument("--seqs", type=int, default=1)
     ap.add_argument("--top", type=int, default=30)
     ap.add_argument("--steps", type=int, default=3, help="plain: fwd+bwd calls")
     ap.add_argument("--intra-cp", default="off", help="'off', 'auto' or a segment length in chunks")
+    ap.add_argument("--backward", action="store_true", help="graph: capture fwd+bwd instead of the forward")
     args = ap.parse_args()
-    {"step": profile_step, "first-call": profile_first_call, "plain": plain_steps}[args.what](args)
+    {"step": profile_step, "first-call": profile_first_call, "plain": plain_steps,
+     "graph": profile_graph}[args.what](args)
 
 
 if __name__ == "__main__":

@@ -220,8 +220,11 @@ def emulate_gqa_sum(dq, dk, dq_out, dk_out):
         dst.copy_(src.float().sum(1).to(dst.dtype))
 
 
-def emulate_segment_chain(out, bias, mats, mask, first_rows, last_rows, num_heads, reverse):
+def emulate_segment_chain(out, bias, mats, mask, first_rows, last_rows, num_heads, reverse, zero_start):
     for first, last in zip(first_rows.tolist(), last_rows.tolist()):
+        start = last if reverse else first
+        if zero_start:
+            out[start * num_heads:(start + 1) * num_heads] = 0.0
         rows = range(last - 1, first - 1, -1) if reverse else range(first + 1, last + 1)
         for r in rows:
             src = r + 1 if reverse else r - 1
@@ -229,8 +232,11 @@ def emulate_segment_chain(out, bias, mats, mask, first_rows, last_rows, num_head
                 M = mats[src * num_heads + h].double()
                 prev = out[src * num_heads + h].double()
                 step = (M.t() if reverse else M) @ prev
-                out[r * num_heads + h] = (bias[src * num_heads + h].double()
-                                          + mask[r * num_heads + h].double() * step).to(out.dtype)
+                if not reverse:
+                    factor = mask[r * num_heads + h].double()
+                else:  # out of the last row into the final state, else the exact flag of the row after next
+                    factor = 1.0 if r + 1 == last else mask[(r + 2) * num_heads + h].double()
+                out[r * num_heads + h] = (bias[src * num_heads + h].double() + factor * step).to(out.dtype)
 
 
 def emulate_segment_gates(gcum, cu, flags, exact, active, threshold):

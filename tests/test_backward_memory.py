@@ -1,9 +1,9 @@
 """The kernel backward's memory on the CPU (kernels emulated, tests/kernel_emulator.py): the peak of the
 storages its host code allocates is what kernels/hopper/backward.py says it holds, and no more.
 
-At the chunk-local kernel the backward holds, per token and v-head (input dtype of e bytes): GA (64 e) and
-gcum (4) in fp32, which it allocates only when the forward kept none (FLASHQLA_KEEP_INVERSE=0; else they are
-the forward's), beta in fp32 (4), the per-chunk states h and their gradients dh (128 e each per token, plus
+At the chunk-local kernel the backward holds, per token and v-head (input dtype of e bytes): GA (64 e), gcum
+(4) and beta (4) in fp32, which it allocates only when the forward kept none (FLASHQLA_KEEP_INVERSE=0; else
+they are the forward's), the per-chunk states h and their gradients dh (128 e each per token, plus
 one slot per sequence), dq, dk and dv per v-head (3 x 128 e; at an even GQA group dq and dk per v-head pair,
 2 x 128 e, unless FLASHQLA_GQA_PAIR_SUM=0), dg and dbeta in fp32 (4 + 4),
 and dS0 (64 KiB per sequence and head). W (128 e) must be gone by then, and h and dh before
@@ -73,9 +73,9 @@ def test_kernel_backward_peak_is_the_documented_set(monkeypatch, Hqk, Hv, keep, 
     with PeakStorage() as memory:
         o.backward(do)
 
-    inverse = 64 * e + 4 if keep == "0" else 0  # GA and gcum
+    inverse = 64 * e + 4 + 4 if keep == "0" else 0  # GA, gcum and the fp32 beta
     paired = pair_sum != "0" and (Hv // Hqk) % 2 == 0
-    per_token_head = inverse + 4 + (2 if paired else 3) * 128 * e + 4 + 4
+    per_token_head = inverse + (2 if paired else 3) * 128 * e + 4 + 4
     states = 2 * (T // 64 + 1) * 128 * 128 * e  # h and dh: a slot per chunk and one per sequence
     dS0 = 128 * 128 * 4
     expected = T * Hv * per_token_head + Hv * (states + dS0)

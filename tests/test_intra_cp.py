@@ -231,13 +231,13 @@ class TorchKernels:
         return exact, active
 
     @staticmethod
-    def fold_segments(out, bias, mats, mask, first_rows, last_rows, reverse):
+    def fold_segments(out, bias, mats, exact, first_rows, last_rows, reverse, zero_start=False):
         from kernel_emulator import emulate_segment_chain
 
-        rows, heads = mask.shape
+        rows, heads = exact.shape
         flat = lambda t: t.view((rows * heads,) + t.shape[2:])  # noqa: E731
-        emulate_segment_chain(flat(out), flat(bias), flat(mats), mask.reshape(-1), first_rows, last_rows, heads,
-                              reverse)
+        emulate_segment_chain(flat(out), flat(bias), flat(mats), exact.reshape(-1), first_rows, last_rows, heads,
+                              reverse, zero_start)
         return out
 
     def fused_forward(self, x, v, h0, scale, store_final):

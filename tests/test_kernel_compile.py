@@ -142,6 +142,7 @@ def test_serialisation_check_sees_a_product_in_flight_across_the_back_edge():
 def test_segment_chain_tiles_fill_one_wave_then_widen():
     chosen = {launch.chain_block_v(chains, sm_count=132) for chains in (1, 8, 16, 24, 64, 512)}
     assert chosen <= set(launch.CHAIN_BLOCK_V_CHOICES)
+    assert launch.chain_block_v(4, sm_count=132) == 4  # one sequence of 4 v-heads: 4 x 32 tiles, one wave
     assert launch.chain_block_v(8, sm_count=132) == 8  # TP8, one sequence: 8 heads x 16 tiles, one wave
     assert launch.chain_block_v(16, sm_count=132) == 16  # TP4: 16 x 16 tiles would be two waves
     assert launch.chain_block_v(512, sm_count=132) == 16

@@ -54,9 +54,9 @@ class _PlanTensors:
     chunk_offsets: torch.Tensor  # first chunk slot of every segment, int32 [rows + 1]
     has_next: torch.Tensor  # [rows] bool: the row's sequence continues in the next row
     first: torch.Tensor  # [sequences] first row of every sequence (int32)
-    first_index: torch.Tensor  # the same as int64, for index_fill_ / index_copy_
+    first_index: torch.Tensor  # the same as int64, for index_copy_
     last: torch.Tensor  # [sequences] its last row (int32)
-    last_index: torch.Tensor  # the same as int64, for index_fill_ / index_copy_
+    last_index: torch.Tensor  # the same as int64, for index_copy_
     # [has_h0, dht_given (None, False, True), leaving, rows] int32: each row's flags for the gate statistics
     # (`_gate_flags`, kernels/hopper/segment_gates.py); `gate_flags` picks one row of flags
     gate_flag_table: torch.Tensor
@@ -149,12 +149,11 @@ def _segment_summaries(hopper, x, idx: _PlanTensors, cp_warmup, has_h0: bool, dh
 def _chain(hopper, S_star, M, exact, idx: _PlanTensors, initial_state):
     """S_{j,0} of every segment: step 2 above, S_{j,0} = S*_{j-1} + [exact_j] M_{j-1} S_{j-1,0}, the
     whole chain in one launch from the sequences' initial states (zero when None)."""
-    S0 = torch.empty_like(S_star)  # the chain writes every row but the sequences' first
-    if initial_state is None:
-        S0.index_fill_(0, idx.first_index, 0.0)
-    else:
+    S0 = torch.empty_like(S_star)  # the chain writes every row, and with no initial state the first rows' zeros
+    if initial_state is not None:
         S0.index_copy_(0, idx.first_index, initial_state.to(S0.dtype))
-    return hopper.fold_segments(S0, S_star, M, exact, idx.first, idx.last, reverse=False)
+    return hopper.fold_segments(S0, S_star, M, exact, idx.first, idx.last, reverse=False,
+                                zero_start=initial_state is None)
 
 
 def _packed(idx, *tensors):
@@ -253,14 +252,11 @@ def exit_gradients(hopper, D, M, exact, idx: _PlanTensors, dht):
     D_{j+1} (its own outputs' gradient, from zero) + f_{j+1} M_{j+1}^T X_{j+1}, with f = 1 into a
     sequence's final state and exact_{j+2} into the next segment's start.
     """
-    X = torch.empty_like(D)  # the mirror scan writes every row but the sequences' last
-    if dht is None:
-        X.index_fill_(0, idx.last_index, 0.0)
-    else:
+    X = torch.empty_like(D)  # the mirror scan writes every row, and with no dht the last rows' zeros
+    if dht is not None:
         X.index_copy_(0, idx.last_index, dht.to(X.dtype))
-    mask = D.new_zeros(D.shape[:2])
-    mask[:-1] = _into_next(idx, exact, True)[1:]  # row j - 1 reads f_j
-    return hopper.fold_segments(X, D, M, mask, idx.first, idx.last, reverse=True)
+    # row j - 1 reads f_j from `exact` itself (segment_chain.py): 1 out of a sequence's last row, else exact_{j+1}
+    return hopper.fold_segments(X, D, M, exact, idx.first, idx.last, reverse=True, zero_start=dht is None)
 
 
 def _reverse_walk_last_chunks(idx: _PlanTensors, gcum, cp_warmup: float):
@@ -305,7 +301,7 @@ def backward_prologue(hopper, q, k, v, g, beta, scale, initial_state, plan: Segm
     if kept.inverse is None:
         x = hopper.prepare(*packed, idx.cu, chunk_offsets=idx.chunk_offsets)
     else:  # the forward's packed layout and chunk grid are these (the same plan)
-        x = hopper.prepare_from_kept(packed[0], packed[1], packed[2], packed[4], kept.inverse, idx.cu,
+        x = hopper.prepare_from_kept(packed[0], packed[1], packed[2], kept.inverse, idx.cu,
                                      chunk_offsets=idx.chunk_offsets)
     starts = kept.starts
     if starts is None:  # not kept by the forward: recomputed, as the forward computed them

@@ -99,10 +99,10 @@ def choose(backend: str, call: Call) -> str:
 
 
 def keeps_inverse() -> bool:
-    """Whether a TileLang forward whose backward will run keeps its WY inverse (its own GA and cumulative
-    gates, 132 bytes per token and v-head held until the backward; nothing more computed) so that the
-    backward does not compute it again; on unless FLASHQLA_KEEP_INVERSE=0 (less activation memory, a second
-    wy_inverse in every backward)."""
+    """Whether a TileLang forward whose backward will run keeps its WY inverse (its own GA, cumulative gates
+    and fp32 beta, 132-136 bytes per token and v-head held until the backward; nothing more computed) so
+    that the backward does not compute it again; on unless FLASHQLA_KEEP_INVERSE=0 (less activation memory,
+    a second wy_inverse in every backward)."""
     return switched_on("FLASHQLA_KEEP_INVERSE")
 
 

@@ -10,11 +10,11 @@
     gqa_sum               dq and dk summed over each GQA group (fp32 accumulation), both in one launch; with the
                           pairs summed, over the rest of the group (none at 2 v-heads per k-head)
 
-Of the forward the backward reads its inputs and, when kept, GA and the cumulative gates (the forward's own
-tensors: 132 bytes per token and v-head held until the backward). The kernels read dO as given and apply the
-output scale themselves; the host casts dg and dbeta. Sequences of any length, GQA, initial state and dht as
-in the forward. Intra-card CP (flashqla/cp/segments.py) runs the same steps with its segments as the
-sequences.
+Of the forward the backward reads its inputs and, when kept, GA, the cumulative gates and the fp32 beta (the
+forward's own tensors: 132-136 bytes per token and v-head held until the backward). The kernels read dO as
+given and apply the output scale themselves; the host casts dg and dbeta. Sequences of any length, GQA,
+initial state and dht as in the forward. Intra-card CP (flashqla/cp/segments.py) runs the same steps with its
+segments as the sequences.
 """
 from __future__ import annotations
 
@@ -146,7 +146,7 @@ def chunk_gdn_bwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht, k
     if kept is None:
         x = prepare(q, k, v, g, beta, cu_seqlens, chunk_offsets)
     else:
-        x = prepare_from_kept(q, k, v, beta, kept, cu_seqlens, chunk_offsets)
+        x = prepare_from_kept(q, k, v, kept, cu_seqlens, chunk_offsets)
     *grads, dS0 = backward_of(x, q, k, v, g, beta, output_gradient(x, do), scale, initial_state, dht)
     return (*grads, None if initial_state is None else dS0.to(initial_state.dtype))
 

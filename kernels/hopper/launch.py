@@ -25,10 +25,12 @@ MIN_CTAS_PER_SM = 0.7
 # summary tiles of 32 at TP8 32K 0.465 -> 0.431 ms, h32 1.361 -> 1.229; at 512 walks 64 beats 32.
 SUMMARY_MAX_CTAS_PER_SM = 8
 
-# The segment chain's V tiles (one CTA each, one CTA per SM by shared memory): 8 columns while the chains
+# The segment chain's V tiles (one CTA each, one CTA per SM by shared memory): the narrowest whose chains
 # fit in one wave, else 16. H200, 2026-12-01 (docs/kernels.md, "Fifteenth session"): 16 steps x 8 heads,
-# all exact, 69 -> 44 us at 8 (16 CTAs per head); 4 rows x 32 heads 33 us at 16, 43 at 8.
-CHAIN_BLOCK_V_CHOICES = (8, 16)
+# all exact, 69 -> 44 us at 8 (16 CTAs per head); 4 rows x 32 heads 33 us at 16, 43 at 8. 4 columns (one
+# sequence of 4 v-heads, 128 CTAs), H100, 2026-12-05 ("Forty-second session"): public op fwd+bwd 1-2% faster
+# than at 8 ((2, 4) x 8K 277.7 -> 272.3 us, x 32K 670.2 -> 657.0).
+CHAIN_BLOCK_V_CHOICES = (4, 8, 16)
 
 # The flag bits of a segment row for `segment_gates` (segment_gates.py; set by flashqla/cp/segments.py)
 HAS_NEXT = 1  # the row's sequence continues in the next row
@@ -212,11 +214,12 @@ def chunk_offsets_of(cu_seqlens: torch.Tensor) -> torch.Tensor:
 @dataclass
 class KeptInverse:
     """What a forward keeps for its backward, so that the backward computes no second `wy_inverse`: its own
-    operand GA and the cumulative gates, 132 bytes per token and v-head (bf16) and nothing extra to write
-    (FlashQLA 0.1.3 keeps its A likewise)."""
+    operand GA, the cumulative gates and the fp32 beta the walks read, 132 bytes per token and v-head (bf16;
+    136 when beta is not fp32 already) and nothing extra to write (FlashQLA 0.1.3 keeps its A likewise)."""
 
     GA: torch.Tensor  # [T, Hv, 64]  Gamma o A
     gcum: torch.Tensor  # [Hv, T] fp32 chunk-local cumulative gate (natural log)
+    beta: torch.Tensor  # [T, Hv] fp32: beta itself when it is fp32, else the forward's copy (one launch less)
 
 
 @dataclass
@@ -244,7 +247,7 @@ class ChunkedCall:
 
     def kept(self) -> KeptInverse:
         """The inverse this call's backward can start from (`prepare_from_kept`)."""
-        return KeptInverse(self.GA, self.gcum)
+        return KeptInverse(self.GA, self.gcum, self.beta)
 
 
 def _layout(q, cu_seqlens, chunk_offsets):
@@ -259,12 +262,10 @@ def _layout(q, cu_seqlens, chunk_offsets):
     return cu, offsets, (B * T + CHUNK - 1) // CHUNK + cu.numel() - 1
 
 
-def _flat(q, k, v, beta):
-    """q, k [T, Hqk, 128], v [T, Hv, 128] views and beta as fp32 [T, Hv] of [B, T, ...] inputs."""
+def _flat(q, k, v):
+    """q, k [T, Hqk, 128] and v [T, Hv, 128] views of [B, T, ...] inputs."""
     B, T, Hqk, _ = q.shape
-    Hv = v.shape[2]
-    return (q.view(B * T, Hqk, HEAD_DIM), k.view(B * T, Hqk, HEAD_DIM), v.view(B * T, Hv, HEAD_DIM),
-            beta.view(B * T, Hv).float())
+    return q.view(B * T, Hqk, HEAD_DIM), k.view(B * T, Hqk, HEAD_DIM), v.view(B * T, v.shape[2], HEAD_DIM)
 
 
 def prepare(q, k, v, g, beta, cu_seqlens, chunk_offsets=None) -> ChunkedCall:
@@ -277,7 +278,8 @@ def prepare(q, k, v, g, beta, cu_seqlens, chunk_offsets=None) -> ChunkedCall:
     Hv = v.shape[2]
     device = q.device
     cu, offsets, chunk_slots = _layout(q, cu_seqlens, chunk_offsets)
-    q3, k3, v3, beta2 = _flat(q, k, v, beta)
+    q3, k3, v3 = _flat(q, k, v)
+    beta2 = beta.view(B * T, Hv).float()  # the kernels read fp32 beta (a copy unless it is fp32; kept for the backward)
     GA = torch.empty(B * T, Hv, CHUNK, dtype=q.dtype, device=device)
     gcum = torch.empty(Hv, B * T, dtype=torch.float32, device=device)
     heads_per_cta = wy_heads_per_cta(chunk_slots, k.shape[2], Hv, sm_count_on(device))
@@ -287,10 +289,11 @@ def prepare(q, k, v, g, beta, cu_seqlens, chunk_offsets=None) -> ChunkedCall:
     return ChunkedCall(q3, k3, v3, beta2, GA, gcum, cu, offsets, chunk_slots, _TORCH_TO_TL[q.dtype])
 
 
-def prepare_from_kept(q, k, v, beta, kept: KeptInverse, cu_seqlens, chunk_offsets=None) -> ChunkedCall:
-    """What `prepare` returns, from the forward's kept inverse: no kernel runs."""
+def prepare_from_kept(q, k, v, kept: KeptInverse, cu_seqlens, chunk_offsets=None) -> ChunkedCall:
+    """What `prepare` returns, from the forward's kept inverse and beta: no kernel runs."""
     cu, offsets, chunk_slots = _layout(q, cu_seqlens, chunk_offsets)
-    return ChunkedCall(*_flat(q, k, v, beta), kept.GA, kept.gcum, cu, offsets, chunk_slots, _TORCH_TO_TL[q.dtype])
+    return ChunkedCall(*_flat(q, k, v), kept.beta, kept.GA, kept.gcum, cu, offsets, chunk_slots,
+                       _TORCH_TO_TL[q.dtype])
 
 
 def block_v_on(device: torch.device, num_seqs: int, num_v_heads: int) -> int:
@@ -361,18 +364,21 @@ def chain_block_v(num_chains: int, sm_count: int) -> int:
     return CHAIN_BLOCK_V_CHOICES[-1]
 
 
-def fold_segments(out, bias, mats, mask, first_rows, last_rows, reverse: bool, block_v: int | None = None):
-    """The chain over segments in one `segment_chain` launch, in place on `out` (fp32 [rows, Hv, 128, 128];
-    first rows (forward) or last rows (reverse) of every sequence set):
-    forward out[r] = bias[r-1] + mask[r] mats[r-1] out[r-1]; reverse out[r] = bias[r+1] + mask[r]
-    mats[r+1]^T out[r+1]. bias, mats fp32 like out; mask fp32 [rows, Hv]; first_rows, last_rows int32
-    [sequences]. block_v: the V tile (one of CHAIN_BLOCK_V_CHOICES; None: `chain_block_v`'s choice)."""
-    rows, Hv = mask.shape
+def fold_segments(out, bias, mats, exact, first_rows, last_rows, reverse: bool, zero_start: bool = False,
+                  block_v: int | None = None):
+    """The chain over segments in one `segment_chain` launch, in place on `out` (fp32 [rows, Hv, 128, 128]):
+    forward out[r] = bias[r-1] + exact[r] mats[r-1] out[r-1]; reverse out[r] = bias[r+1] + f_r mats[r+1]^T
+    out[r+1], f_r = 1 out of a sequence's last row (r + 1 = last), else exact[r + 2]. bias, mats fp32 like out;
+    exact fp32 [rows, Hv] (which rows start from the exact chain: `segment_masks`); first_rows, last_rows int32
+    [sequences]. The chain starts from the first rows (forward) or last rows (reverse) of `out` as given, or
+    with zero_start from zero, which it writes there. block_v: the V tile (one of CHAIN_BLOCK_V_CHOICES; None:
+    `chain_block_v`'s choice)."""
+    rows, Hv = exact.shape
     flat = lambda t: t.view(rows * Hv, HEAD_DIM, HEAD_DIM)  # noqa: E731
     if block_v is None:
         block_v = chain_block_v(first_rows.numel() * Hv, sm_count_on(out.device))
-    compiled_segment_chain(block_v)(flat(out), flat(bias), flat(mats), mask.reshape(-1), first_rows, last_rows, Hv,
-                             int(reverse))
+    compiled_segment_chain(block_v)(flat(out), flat(bias), flat(mats), exact.reshape(-1), first_rows, last_rows, Hv,
+                                    int(reverse), int(zero_start))
     return out
 
 

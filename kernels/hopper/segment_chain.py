@@ -6,9 +6,12 @@ Forward (`reverse = 0`), for the rows r = first + 1 .. last of every sequence:
 
 Backward (`reverse = 1`), for r = last - 1 down to first:
 
-    out[r] = bias[r + 1] + mask[r] * mats[r + 1]^T @ out[r + 1]        (X_j = D_{j+1} + f M_{j+1}^T X_{j+1})
+    out[r] = bias[r + 1] + f_r * mats[r + 1]^T @ out[r + 1]            (X_j = D_{j+1} + f M_{j+1}^T X_{j+1})
+    f_r = 1 for r = last - 1 (out of the sequence's last row: into its final state), else mask[r + 2]
 
-`out` holds the first (forward) or last (backward) row of every sequence on entry. All operands fp32
+so both directions read the forward's `exact` mask as it is (mask[r]: row r starts from the exact chain).
+`out` holds the first (forward) or last (backward) row of every sequence on entry, or with `zero_start` the
+chain starts from zero and writes that zero start row itself (no fill launch before it). All operands fp32
 [rows * Hv, 128, 128] (mask [rows * Hv]); the products run on CUDA cores in fp32 (a fp32 T.gemm would
 be TF32). One CTA per (V tile, sequence, v-head): what was one batched GEMM launch per segment position
 on the host is one launch for the whole chain; a row whose mask is 0 skips its product.
@@ -76,9 +79,12 @@ def build_segment_chain(block_v: int, rows_per_thread: int = ROWS_PER_THREAD, k_
 
     @T.macro
     def mask_of(mask, num_heads, reverse, h, first, last, steps, step):
-        """Step `step`'s mask value (0 past the last step)."""
+        """Step `step`'s factor (0 past the last step): mask[r] forward; backward 1 out of the last row, else
+        mask[r + 2] (f_r above)."""
         row = T.max(T.min(row_of(reverse, first, last, step), last), first)
-        return T.if_then_else(step < steps, mask[row * num_heads + h], 0.0)
+        into_final = reverse != 0 and row + 1 >= last
+        read = T.min(T.if_then_else(reverse != 0, row + 2, row), last)
+        return T.if_then_else(step < steps, T.if_then_else(into_final, 1.0, mask[read * num_heads + h]), 0.0)
 
     @T.macro
     def load_matrix(mats, M_s, m_full, num_heads, reverse, h, first, last, step):
@@ -114,6 +120,7 @@ def build_segment_chain(block_v: int, rows_per_thread: int = ROWS_PER_THREAD, k_
         last_rows: T.Tensor((num_seqs,), "int32"),
         num_heads: T.int32,
         reverse: T.int32,
+        zero_start: T.int32,
     ):
         with T.Kernel(D // BV, num_seqs, num_heads, threads=threads) as (bv, n, h):
             v0 = bv * BV
@@ -140,7 +147,12 @@ def build_segment_chain(block_v: int, rows_per_thread: int = ROWS_PER_THREAD, k_
             a = tx % row_groups  # this thread's rows: a + row_groups r
             start = T.if_then_else(reverse != 0, last, first)
             steps = last - first
-            T.copy(out[start * num_heads + h, 0:D, v0:v0 + BV], S_s)
+            if zero_start != 0:
+                for i, c in T.Parallel(D, BV):
+                    S_s[i, c] = 0.0
+                    out[start * num_heads + h, i, v0 + c] = 0.0
+            else:
+                T.copy(out[start * num_heads + h, 0:D, v0:v0 + BV], S_s)
             load_mask_block(mask, mask_s, num_heads, reverse, h, first, last, steps, 0)
             T.sync_threads()
             # the matrices arrive by TMA on m_full (only for steps whose mask is not 0: `loads` counts them per

@@ -66,13 +66,16 @@ def test_backward_reuses_the_forward_segmentation_plan(monkeypatch):
     assert seen["kept"] is not None  # the backward reuses the forward's segment starts
 
 
-@pytest.mark.parametrize("block_v", [None, 8, 16])
+@pytest.mark.parametrize("block_v", [None, 4, 8, 16])
 @pytest.mark.parametrize("reverse", [False, True])
-def test_segment_chain_kernel_matches_the_float64_fold(reverse, block_v):
+@pytest.mark.parametrize("zero_start", [False, True])
+def test_segment_chain_kernel_matches_the_float64_fold(reverse, block_v, zero_start):
     """The one-launch chain over segments (a pack: 5 rows, 1 row, 3 rows, 600 rows, so that the kernel
     reads its masks in more than two blocks; some masks 0) against the same fold in float64, row by row;
-    fp32 products on CUDA cores keep it within fp32 rounding. block_v None: the tile `fold_segments`
-    chooses; 8 and 16: each compiled tile, forced."""
+    fp32 products on CUDA cores keep it within fp32 rounding. The reverse chain reads the forward's mask two
+    rows on (1 out of a sequence's last row). zero_start: the start rows are NaN on entry and the kernel
+    starts from (and writes) zeros. block_v None: the tile `fold_segments` chooses; 8 and 16: each compiled
+    tile, forced."""
     from flashqla.kernels.hopper import fold_segments
 
     gen = torch.Generator(device="cuda").manual_seed(11)
@@ -81,18 +84,26 @@ def test_segment_chain_kernel_matches_the_float64_fold(reverse, block_v):
     randn = lambda *s: torch.randn(*s, generator=gen, device="cuda")  # noqa: E731
     out = torch.full((rows, heads, D, D), float("nan"), device="cuda")
     starts = last if reverse else first
-    out[starts] = randn(len(starts), heads, D, D)
+    if not zero_start:
+        out[starts] = randn(len(starts), heads, D, D)
     bias = randn(rows, heads, D, D)
     mats = randn(rows, heads, D, D) / D ** 0.5 * 0.9  # keeps the chain bounded
     mask = (torch.rand(rows, heads, generator=gen, device="cuda") > 0.3).float()
     want = out.double().clone()
+    if zero_start:
+        want[starts] = 0.0
     for f, l in zip(first, last):
         for r in (range(l - 1, f - 1, -1) if reverse else range(f + 1, l + 1)):
             src = r + 1 if reverse else r - 1
             M = mats[src].double().transpose(-1, -2) if reverse else mats[src].double()
-            want[r] = bias[src].double() + mask[r].double()[:, None, None] * (M @ want[src])
+            if not reverse:
+                factor = mask[r].double()
+            else:
+                factor = torch.ones(heads, dtype=torch.float64, device="cuda") if r + 1 == l else mask[r + 2].double()
+            want[r] = bias[src].double() + factor[:, None, None] * (M @ want[src])
     as_int = lambda xs: torch.tensor(xs, dtype=torch.int32, device="cuda")  # noqa: E731
-    got = fold_segments(out, bias, mats, mask, as_int(first), as_int(last), reverse, block_v=block_v)
+    got = fold_segments(out, bias, mats, mask, as_int(first), as_int(last), reverse, zero_start=zero_start,
+                        block_v=block_v)
     assert not got.isnan().any()
     assert rel_err(got, want) <= 1e-5, rel_err(got, want)
 
