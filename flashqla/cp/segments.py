@@ -323,11 +323,13 @@ def backward_finish(hopper, pro: BackwardPrologue, dht):
     """The second half of `segmented_backward`: the mirror scan from `dht`, then the kernel backward of
     every segment at once; (dq, dk, dv, dg, dbeta, dh0 or None)."""
     S0, M, exact = pro.starts
-    if dht is None and pro.exits_without_dht is not None:
-        X = pro.exits_without_dht
-    else:
-        X = exit_gradients(hopper, pro.D, M, exact, pro.idx, dht)
-    *grads, dS0 = hopper.backward_of(pro.x, *pro.packed, pro.do, pro.scale, S0, X)
+
+    def exits():  # on the current stream, while the per-chunk states are recomputed beside it (backward_of)
+        if dht is None and pro.exits_without_dht is not None:
+            return pro.exits_without_dht
+        return exit_gradients(hopper, pro.D, M, exact, pro.idx, dht)
+
+    *grads, dS0 = hopper.backward_of(pro.x, *pro.packed, pro.do, pro.scale, S0, exits)
     grads = [grad.view(shape) for grad, shape in zip(grads, pro.shapes)]
     return (*grads, dS0[pro.idx.first] if pro.has_h0 else None)
 

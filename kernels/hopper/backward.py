@@ -91,28 +91,39 @@ def state_gradients(x: ChunkedCall, do: torch.Tensor, scale: float, dht, store_d
     return (dh if store_dh else None), dS0
 
 
+# A backward whose final-state gradients come from a chain still to run (intra-card CP's mirror scan, `dht`
+# callable in `backward_of`) recomputes the states on a second stream beside that chain and the reverse walk:
+# the chain keeps few SMs busy (one (sequence, head) chain per V tile), and the recompute needs none of it.
+# FLASHQLA_STATES_BESIDE_CHAIN=0 (or off/false/no) runs them one after the other, for A/B runs and bisecting.
+STATES_BESIDE_CHAIN_ENV = "FLASHQLA_STATES_BESIDE_CHAIN"
+
+
 def backward_of(x: ChunkedCall, q, k, v, g, beta, do, scale, h0, dht):
     """Gradients of the sequences of `x` (`prepare`d, or from a kept inverse) from dO
     (`output_gradient`) with the output scale, their initial states h0 and the gradients dht of their
-    final states (fp32 [N, Hv, 128, 128] or None): (dq, dk, dv, dg, dbeta) shaped and typed like q, k, v,
-    g, beta, and dS0 fp32 [N, Hv, 128, 128].
+    final states (fp32 [N, Hv, 128, 128] or None, or a function of no arguments returning them, run on the
+    current stream after the state recompute has started beside it): (dq, dk, dv, dg, dbeta) shaped and typed
+    like q, k, v, g, beta, and dS0 fp32 [N, Hv, 128, 128].
     Releases the per-chunk states before the sums: T x Hv x 1 KB (h and dh) less held there."""
     B, T, Hqk, D = q.shape
     Hv = v.shape[2]
     device = q.device
+    deferred = callable(dht)
     # the two walks are independent (the reverse walk needs no state): side by side on two streams when one
     # walk alone leaves SMs idle (H200, 2026-12-01: whole backward 3.50 -> 2.38 ms at (2, 8) x 32K x 1,
-    # 3.10 -> 2.03 at (2, 4); 1-4% slower where one walk already fills the GPU, so not there)
+    # 3.10 -> 2.03 at (2, 4); 1-4% slower where one walk already fills the GPU, so not there), and beside the
+    # chain that gives a deferred dht
     def reverse_walk():
-        return state_gradients(x, do, scale, dht)
+        return state_gradients(x, do, scale, dht() if deferred else dht)
 
     def forward_walk():
-        return fused_states(x, h0)
+        return (fused_states(x, h0),)
 
-    if device.type == "cuda" and not walks_fill(device, x.num_seqs, x.num_v_heads):
-        (dh, dS0), h = side_by_side(device, reverse_walk, forward_walk)
+    if device.type == "cuda" and ((deferred and switched_on(STATES_BESIDE_CHAIN_ENV))
+                                  or not walks_fill(device, x.num_seqs, x.num_v_heads)):
+        (h,), (dh, dS0) = side_by_side(device, forward_walk, reverse_walk)
     else:
-        (dh, dS0), h = reverse_walk(), forward_walk()
+        (dh, dS0), (h,) = reverse_walk(), forward_walk()
     # per v-head (or pair) in the input dtype: half the bytes of fp32 written here and read by the GQA sums (and
     # T x Hv x 512 bytes less memory at the peak); the sums accumulate in fp32 and round once more
     group = Hv // Hqk
