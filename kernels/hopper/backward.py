@@ -4,7 +4,8 @@
                           (`KeptInverse`), or recomputed (the forward's build) when it kept none
     fused_fwd (states)    the state entering every chunk (input dtype): the forward's walk again, without O
     chunk_dstates         the reverse walk: the gradient of the state leaving every chunk, and dS0
-                          (beside the state walk on a second stream when one walk leaves SMs idle)
+                          (beside the state walk on a second stream when one walk leaves SMs idle, and
+                          with intra-card CP's mirror scan before it while the states are recomputed)
     chunk_bwd_local       every chunk at once: dq, dk (per v-head or v-head pair: `dqk_sum_build`), dv, dg,
                           dbeta from those two
     gqa_sum               dq and dk summed over each GQA group (fp32 accumulation), both in one launch; with the
