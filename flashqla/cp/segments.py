@@ -38,8 +38,8 @@ from .plan import SegmentPlan
 @dataclass
 class Kept:
     """What a forward on the kernels leaves for its backward (flashqla/ops/backends.py): the segments'
-    (S_{j,0}, M_j, exact) (None unsegmented, or not kept) and the WY inverse (the kernels' `KeptInverse`: GA
-    and the cumulative gates, so the backward runs no second wy_inverse; None: recomputed)."""
+    (S_{j,0}, M_j, exact) (None unsegmented, or not kept) and the WY inverse (the kernels' `KeptInverse`: GA,
+    the cumulative gates and fp32 beta, so the backward runs no second wy_inverse; None: recomputed)."""
 
     starts: tuple | None = None
     inverse: object = None
@@ -117,8 +117,8 @@ def _gate_flags(has_prev: list, has_next: list, last_row: int) -> list:
 
 def _into_next(idx: _PlanTensors, exact, into_final: bool):
     """[rows, Hv] 0/1 in exact's dtype: whether the state leaving segment j reaches what follows it,
-    exact_{j+1} into the sequence's next segment, `into_final` out of its last one (the f_j of
-    `exit_gradients`)."""
+    exact_{j+1} into the sequence's next segment, `into_final` out of its last one (with into_final True, the
+    f of `exit_gradients`, which segment_chain computes itself from `exact`)."""
     exact_next = torch.full_like(exact, into_final)
     exact_next[:-1] = torch.where(idx.has_next[:-1, None], exact[1:], into_final)
     return exact_next

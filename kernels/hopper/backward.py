@@ -25,7 +25,8 @@ import torch
 
 from .. import switched_on
 from .launch import (HEAD_DIM, ChunkedCall, block_v_on, compiled_chunk_bwd_local, compiled_chunk_dstates,
-                     compiled_gqa_sum, fused_states, prepare, prepare_from_kept, sm_count_on, walks_fill)
+                     compiled_gqa_sum, fused_states, prepare, prepare_from_kept, sm_count_on, states_buffer,
+                     walks_fill)
 
 
 @functools.lru_cache(maxsize=None)
@@ -102,29 +103,30 @@ STATES_BESIDE_CHAIN_ENV = "FLASHQLA_STATES_BESIDE_CHAIN"
 def backward_of(x: ChunkedCall, q, k, v, g, beta, do, scale, h0, dht):
     """Gradients of the sequences of `x` (`prepare`d, or from a kept inverse) from dO
     (`output_gradient`) with the output scale, their initial states h0 and the gradients dht of their
-    final states (fp32 [N, Hv, 128, 128] or None, or a function of no arguments returning them, run on the
-    current stream after the state recompute has started beside it): (dq, dk, dv, dg, dbeta) shaped and typed
-    like q, k, v, g, beta, and dS0 fp32 [N, Hv, 128, 128].
+    final states (fp32 [N, Hv, 128, 128] or None, or a function of no arguments that returns them, which runs on
+    the current stream, beside the state recompute where that runs on a second stream): (dq, dk, dv, dg, dbeta)
+    shaped and typed like q, k, v, g, beta, and dS0 fp32 [N, Hv, 128, 128].
     Releases the per-chunk states before the sums: T x Hv x 1 KB (h and dh) less held there."""
     B, T, Hqk, D = q.shape
     Hv = v.shape[2]
     device = q.device
     deferred = callable(dht)
-    # the two walks are independent (the reverse walk needs no state): side by side on two streams when one
-    # walk alone leaves SMs idle (H200, 2026-12-01: whole backward 3.50 -> 2.38 ms at (2, 8) x 32K x 1,
-    # 3.10 -> 2.03 at (2, 4); 1-4% slower where one walk already fills the GPU, so not there), and beside the
-    # chain that gives a deferred dht
+
     def reverse_walk():
         return state_gradients(x, do, scale, dht() if deferred else dht)
 
-    def forward_walk():
-        return (fused_states(x, h0),)
-
-    if device.type == "cuda" and ((deferred and switched_on(STATES_BESIDE_CHAIN_ENV))
-                                  or not walks_fill(device, x.num_seqs, x.num_v_heads)):
-        (h,), (dh, dS0) = side_by_side(device, forward_walk, reverse_walk)
+    if device.type == "cuda" and deferred and switched_on(STATES_BESIDE_CHAIN_ENV):
+        # the states into memory of the current stream's pool (from the side stream's, they would stay reserved
+        # for it between calls), recomputed on the side stream while the chain and the reverse walk run here
+        h = states_buffer(x)
+        _, (dh, dS0) = side_by_side(device, lambda: (fused_states(x, h0, out=h),), reverse_walk)
+    elif device.type == "cuda" and not walks_fill(device, x.num_seqs, x.num_v_heads):
+        # the two walks are independent (the reverse walk needs no state): side by side on two streams when one
+        # walk alone leaves SMs idle (H200, 2026-12-01: whole backward 3.50 -> 2.38 ms at (2, 8) x 32K x 1,
+        # 3.10 -> 2.03 at (2, 4); 1-4% slower where one walk already fills the GPU, so not there)
+        (dh, dS0), h = side_by_side(device, reverse_walk, lambda: fused_states(x, h0))
     else:
-        (dh, dS0), (h,) = reverse_walk(), forward_walk()
+        (dh, dS0), h = reverse_walk(), fused_states(x, h0)
     # per v-head (or pair) in the input dtype: half the bytes of fp32 written here and read by the GQA sums (and
     # T x Hv x 512 bytes less memory at the peak); the sums accumulate in fp32 and round once more
     group = Hv // Hqk

@@ -410,8 +410,8 @@ def chunk_gdn_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu
     initial_state fp32 [N, Hv, 128, 128] or None; cu_seqlens [N + 1] (B == 1) or None; chunk_offsets:
     `chunk_offsets_of(cu_seqlens)` when the caller keeps it for the layout (else computed on the device).
     Returns o [B, T, Hv, 128] in q's dtype and the fp32 final state [N, Hv, 128, 128] or None, and with
-    keep_inverse a third item, the `KeptInverse` for `chunk_gdn_bwd` (references to the forward's own GA and
-    gates: nothing more is computed or stored).
+    keep_inverse a third item, the `KeptInverse` for `chunk_gdn_bwd` (references to the forward's own GA, gates
+    and fp32 beta: nothing more is computed or stored).
 
     Fused (the default): wy_inverse, then fused_fwd (one walk computing the outputs too). fused=False runs
     the split decomposition instead, wy_inverse, chunk_states (the serial walk storing every chunk's state
@@ -452,12 +452,18 @@ def fused_forward(x: ChunkedCall, v, h0, scale: float, store_final: bool):
     return o, ht
 
 
-def fused_states(x: ChunkedCall, h0):
+def states_buffer(x: ChunkedCall) -> torch.Tensor:
+    """Room for `fused_states`' output: h [chunk_slots, Hv, 128, 128] in the input dtype."""
+    return torch.empty(x.chunk_slots, x.num_v_heads, HEAD_DIM, HEAD_DIM, dtype=x.v.dtype, device=x.v.device)
+
+
+def fused_states(x: ChunkedCall, h0, out: torch.Tensor | None = None):
     """The state entering every chunk of `x` from h0 (fp32 [N, Hv, 128, 128] or None), h [chunk_slots, Hv,
     128, 128] in the input dtype: fused_fwd's state walk from GA, beta and the gates (no O, no V').
-    The backward's recompute."""
+    The backward's recompute. out: `states_buffer(x)` to write h into (allocated on another stream than the
+    one this runs on, for instance), else allocated here."""
     h0_arg, _, placeholder = _state_buffers(x, h0, False)
-    h = torch.empty(x.chunk_slots, x.num_v_heads, HEAD_DIM, HEAD_DIM, dtype=x.v.dtype, device=x.v.device)
+    h = states_buffer(x) if out is None else out
     compiled_fused_fwd(x.dtype, block_v_on(x.q.device, x.num_seqs, x.num_v_heads))(
         x.q, x.k, x.v, x.GA, x.beta, x.gcum, x.cu, x.offsets, h0_arg, x.v, placeholder, h, 1.0,
         int(h0 is not None), 0, 1)

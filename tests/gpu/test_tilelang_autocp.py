@@ -74,7 +74,7 @@ def test_segment_chain_kernel_matches_the_float64_fold(reverse, block_v, zero_st
     reads its masks in more than two blocks; some masks 0) against the same fold in float64, row by row;
     fp32 products on CUDA cores keep it within fp32 rounding. The reverse chain reads the forward's mask two
     rows on (1 out of a sequence's last row). zero_start: the start rows are NaN on entry and the kernel
-    starts from (and writes) zeros. block_v None: the tile `fold_segments` chooses; 8 and 16: each compiled
+    starts from (and writes) zeros. block_v None: the tile `fold_segments` chooses; 4, 8 and 16: each compiled
     tile, forced."""
     from flashqla.kernels.hopper import fold_segments
 

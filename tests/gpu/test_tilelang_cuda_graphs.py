@@ -94,3 +94,23 @@ def test_the_backward_walks_on_two_streams_equal_one_stream(monkeypatch):
     monkeypatch.setattr(backward, "side_by_side", lambda device, side, main: (side(), main()))
     one_stream = grads()
     assert all(torch.equal(a, b) for a, b in zip(two_streams, one_stream))
+
+
+def test_the_state_recompute_beside_the_mirror_scan_equals_it_in_turn(monkeypatch):
+    """A segmented backward recomputes the per-chunk states on a second stream while the mirror scan and the
+    reverse walk run on the current one (kernels/hopper/backward.py, FLASHQLA_STATES_BESIDE_CHAIN); the
+    gradients, through a given final-state gradient too, are those of the three run in turn, bit for bit."""
+    call = make_call([3000, 1, 700], 2, 8, seed=3)
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    do = torch.randn(call["v"].shape, generator=gen, device="cuda")
+    dht = torch.randn(3, 8, D, D, generator=gen, device="cuda") * 0.1
+
+    def grads():
+        leaves = {n: call[n].detach().clone().requires_grad_(True) for n in NAMES}
+        step(leaves, call["cu_seqlens"], do, dht, 4)
+        return [leaves[n].grad for n in NAMES]
+
+    beside = grads()
+    monkeypatch.setenv("FLASHQLA_STATES_BESIDE_CHAIN", "0")
+    in_turn = grads()
+    assert all(torch.equal(a, b) for a, b in zip(beside, in_turn))
