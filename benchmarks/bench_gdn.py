@@ -86,7 +86,8 @@ def eager_median_ms(fn, reps):
     return statistics.median(times)
 
 
-def graph_median_ms(fn, reps):
+def captured_graph(fn) -> torch.cuda.CUDAGraph:
+    """fn() warmed up (kernels loaded, plans cached) and captured in a CUDA graph on a side stream."""
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
@@ -99,6 +100,11 @@ def graph_median_ms(fn, reps):
         with torch.cuda.graph(graph, stream=stream):
             fn()
     torch.cuda.synchronize()
+    return graph
+
+
+def graph_median_ms(fn, reps):
+    graph = captured_graph(fn)
     for _ in range(10):
         graph.replay()
     times = []

@@ -26,7 +26,7 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from bench_gdn import make_inputs
+from bench_gdn import captured_graph, make_inputs
 
 
 def _call(inputs, intra_cp="off"):
@@ -107,18 +107,7 @@ def profile_graph(args):
         if args.backward:  # the gradients returned, not accumulated into .grad (as bench_bwd.py times them)
             torch.autograd.grad(o, leaves, do)
 
-    for _ in range(3):
-        step()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step()
-        torch.cuda.synchronize()
-        with torch.cuda.graph(graph, stream=stream):
-            step()
-    torch.cuda.synchronize()
+    graph = captured_graph(step)
     for _ in range(20):
         graph.replay()
     kernels = _replay_kernels(graph, 5)

@@ -10,10 +10,22 @@ torch backend. What they cannot test is the kernels themselves (tests/gpu does t
 from __future__ import annotations
 
 import functools
+import sys
 
 import torch
 
 C = 64
+
+
+def called_from_an_emulator(depth: int = 2) -> bool:
+    """Whether the caller (`depth` frames up) runs inside one of the emulators below: for dispatch modes that
+    count what the host code does, to which the emulators' own fp64 work does not belong."""
+    frame = sys._getframe(depth)
+    while frame is not None:
+        if frame.f_code.co_filename == __file__:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _chunks(cu):
