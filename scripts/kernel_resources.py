@@ -259,7 +259,8 @@ def main():
         prim_func = load_builder(target, builder)(*args)
         keep = os.path.join(cache, "nvcc")  # nvcc's intermediates, the PTX among them
         os.makedirs(keep)
-        configs = {**launch._pass_configs(),
+        module = None if target.endswith(".py") else target  # a variant file gets every kernel's configs only
+        configs = {**launch._pass_configs(module),
                    "tl.device_compile_flags": ["--ptxas-options=--verbose", "--keep", f"--keep-dir={keep}"]}
         kernel, messages = ptxas_report(lambda: tilelang.compile(prim_func, target=launch.TARGET, pass_configs=configs))
         source = kernel.get_kernel_source()

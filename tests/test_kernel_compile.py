@@ -34,6 +34,9 @@ def test_kernel_compiles_for_sm90a(compiled_in_parallel, builder, args):
     source = kernel.get_kernel_source()
     if builder is launch.compiled_segment_chain:  # fp32 products: on tensor cores they would be TF32
         assert "mma" not in source, "the segment chain must stay in fp32 on CUDA cores"
+        # its own barriers only: the mbarrier initialisation's, two before the chain, two a step (with the
+        # storage-sync pass on, ten)
+        assert source.count("__syncthreads()") == 5, "segment_chain must be built without the storage-sync pass"
     elif builder is launch.compiled_segment_gates:  # scalar sums: the chunk sums staged in shared memory
         assert "mma" not in source and "__shared__" in source
     elif builder is launch.compiled_gqa_sum:  # a streaming sum: vectorised 16-byte loads of each row segment

@@ -32,6 +32,11 @@ SUMMARY_MAX_CTAS_PER_SM = 8
 # than at 8 ((2, 4) x 8K 277.7 -> 272.3 us, x 32K 670.2 -> 657.0).
 CHAIN_BLOCK_V_CHOICES = (4, 8, 16)
 
+# Pass configs of single kernel modules, beside every kernel's (`_pass_configs`): segment_chain places its own
+# barriers (two a step, segment_chain.py), so it is built without TileLang's thread storage sync pass, which
+# put six in every step
+MODULE_PASS_CONFIGS = {"segment_chain": {"tl.disable_thread_storage_sync": True}}
+
 # The flag bits of a segment row for `segment_gates` (segment_gates.py; set by flashqla/cp/segments.py)
 HAS_NEXT = 1  # the row's sequence continues in the next row
 INTO_EXACT = 2  # M_j is read when the next row is on the exact path
@@ -46,8 +51,10 @@ _TORCH_TO_TL = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 KERNEL_DTYPES = tuple(_TORCH_TO_TL.values())
 
 
-def _pass_configs():
-    return {"tl.enable_fast_math": True}  # tilelang.PassConfigKey.TL_ENABLE_FAST_MATH, without importing tilelang
+def _pass_configs(module: str | None = None):
+    """The pass configs of the kernels of kernel module `module` (tilelang.PassConfigKey values, written out
+    so as not to import tilelang): every kernel's, with the module's own (MODULE_PASS_CONFIGS)."""
+    return {"tl.enable_fast_math": True, **MODULE_PASS_CONFIGS.get(module, {})}
 
 
 def compile_from(module: str, builder: str, label: str, *args):
@@ -58,7 +65,7 @@ def compile_from(module: str, builder: str, label: str, *args):
     def build():
         return getattr(importlib.import_module(f".{module}", __package__), builder)(*args)
 
-    return compile_kernel(build, label, target=TARGET, pass_configs=_pass_configs())
+    return compile_kernel(build, label, target=TARGET, pass_configs=_pass_configs(module))
 
 
 @functools.lru_cache(maxsize=None)

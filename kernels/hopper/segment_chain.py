@@ -38,6 +38,18 @@ H200, 2026-12-01, CUDA-graph replays of the kernel alone (docs/kernels.md, "Fift
 x 8 heads all exact 69 -> 44 us, a quarter exact 43 -> 28, 32 steps x 4 heads 129 -> 80, 600 steps x 2
 heads 1442 -> 835; float64 agreement 1e-7 -> 6e-8. The matrix by TMA instead of cp.async (2026-12-05, the
 public op's chains under AutoCP, `ab_kernel.py`): 1.07-1.19x, outputs bitwise equal.
+
+Barriers: the kernel is built with TileLang's thread storage sync pass off (launch.py's `MODULE_PASS_CONFIGS`; the pass put
+six barriers in every step) and has two a step, placed by hand:
+- after the partial tiles (part_s) are written: every read of this step's state and matrix is done;
+- at the end of a step, after the wait for the next step's bias: the new state in S_s, the next bias tile
+  and the mask block read MASK_BLOCK steps ahead are visible, and part_s and the buffers this step read
+  are free for the next step's loads.
+The step's matrix arrives on m_full, armed by warp 0 alone (its elected lane's expect_tx and TMA, a warp
+sync, the warp's 32 arrivals), so no barrier sits between the expect_tx and the arrivals. The product's k
+loop is unrolled for each direction apart on V tiles up to 8 columns; at 16 the unrolled loop is slower.
+H100, 2026-12-05 (docs/kernels.md, "Forty-third session"), the kernel alone against the six-barrier build:
+16 steps x 8 heads, 2 exact, V tile 8: 32.8 -> 27.2 us; 32 steps x 4 heads, V tile 4: 58.0 -> 54.3 us.
 """
 import tilelang.language as T
 from tilelang.layout import make_full_bank_swizzled_layout
@@ -48,14 +60,17 @@ K_GROUPS = 4
 BIAS_STAGES = 4  # bias tiles in flight: a step without a product is too short to cover one load
 MASK_BLOCK = 256  # mask values read together
 MAX_SHARED_BYTES = 227 * 1024  # one SM90 CTA's limit
+MAX_UNROLLED_BLOCK_V = 8  # the widest V tile whose product loop over k is unrolled
 
 
-def build_segment_chain(block_v: int, rows_per_thread: int = ROWS_PER_THREAD, k_groups: int = K_GROUPS):
+def build_segment_chain(block_v: int, rows_per_thread: int = ROWS_PER_THREAD, k_groups: int = K_GROUPS,
+                        unroll_k: bool | None = None):
     num_mats = T.dynamic("num_mats")
     num_seqs = T.dynamic("num_seqs")
     D, BV, RT = HEAD_DIM, block_v, rows_per_thread
     if D % BV or BV % 4 or D % RT or D % (4 * k_groups):
         raise ValueError(f"unsupported tiling block_v={BV}, rows_per_thread={RT}, k_groups={k_groups}")
+    k_loop = T.unroll if (BV <= MAX_UNROLLED_BLOCK_V if unroll_k is None else unroll_k) else T.serial
     row_groups = D // RT  # threads sharing a k group, one block of rows each
     threads = row_groups * k_groups
     k_span = D // k_groups  # the k range of one k group
@@ -87,13 +102,15 @@ def build_segment_chain(block_v: int, rows_per_thread: int = ROWS_PER_THREAD, k_
         return T.if_then_else(step < steps, T.if_then_else(into_final, 1.0, mask[read * num_heads + h]), 0.0)
 
     @T.macro
-    def load_matrix(mats, M_s, m_full, num_heads, reverse, h, first, last, step):
-        """Step `step`'s matrix into its buffer: one TMA load (issued by one elected thread) on the buffer's
-        mbarrier, which every thread arrives on (64 KiB that cp.async moved as 4096 16-byte requests). Not inside
-        a one-thread branch: the election is an elect.sync over the whole warp."""
-        T.tma_copy(mats[source_of(num_heads, reverse, h, first, last, step), 0:D, 0:D], M_s[step % 2, 0:D, 0:D],
-                   barrier=m_full[step % 2])
-        T.barrier_arrive(m_full[step % 2])
+    def load_matrix(mats, M_s, m_full, num_heads, reverse, h, first, last, step, tx):
+        """Step `step`'s matrix into its buffer: one TMA load on the buffer's mbarrier, issued by warp 0 (the
+        copy elects one lane for the expect_tx and the load: an elect.sync over the whole warp, so this is a
+        warp's branch, not a thread's), then the warp's 32 arrivals after a warp sync."""
+        if tx < 32:
+            T.tma_copy(mats[source_of(num_heads, reverse, h, first, last, step), 0:D, 0:D], M_s[step % 2, 0:D, 0:D],
+                       barrier=m_full[step % 2])
+            T.sync_warp()
+            T.barrier_arrive(m_full[step % 2])
 
     @T.macro
     def load_bias(bias, B_s, num_heads, reverse, h, v0, first, last, steps, step):
@@ -127,7 +144,7 @@ def build_segment_chain(block_v: int, rows_per_thread: int = ROWS_PER_THREAD, k_
             first = first_rows[n]
             last = last_rows[n]
             M_s = T.alloc_shared((2, D, D), "float32")  # this step's matrix and the next one's (swizzled, TMA)
-            m_full = T.alloc_barrier(arrive_count=[threads, threads])  # M_s[b] landed
+            m_full = T.alloc_barrier(arrive_count=[32, 32])  # M_s[b] landed (warp 0 arms and arrives)
             loads0 = T.alloc_var("int32")  # matrices loaded into buffer 0 / 1 so far: the k-th load into a
             loads1 = T.alloc_var("int32")  # buffer completes phase k of its mbarrier
             B_s = T.alloc_shared((BIAS_STAGES, D, BV), "float32")  # bias tiles of this step and the next ones
@@ -154,31 +171,27 @@ def build_segment_chain(block_v: int, rows_per_thread: int = ROWS_PER_THREAD, k_
             else:
                 T.copy(out[start * num_heads + h, 0:D, v0:v0 + BV], S_s)
             load_mask_block(mask, mask_s, num_heads, reverse, h, first, last, steps, 0)
-            T.sync_threads()
-            # the matrices arrive by TMA on m_full (only for steps whose mask is not 0: `loads` counts them per
-            # buffer, identically in every thread); the bias tiles by cp.async, one commit group per step,
-            # BIAS_STAGES - 1 steps ahead, so "all but the newest BIAS_STAGES - 2 groups landed" is a step's wait
             loads0 = 0
             loads1 = 0
+            T.sync_threads()  # the first mask block visible
             if steps > 0:
                 if mask_s[0] != 0:
-                    load_matrix(mats, M_s, m_full, num_heads, reverse, h, first, last, 0)
+                    load_matrix(mats, M_s, m_full, num_heads, reverse, h, first, last, 0, tx)
                     loads0 = 1
                 for b in T.unroll(BIAS_STAGES - 1):
                     load_bias(bias, B_s, num_heads, reverse, h, v0, first, last, steps, b)
+            T.ptx_wait_group(BIAS_STAGES - 2)  # step 0's bias landed
+            T.sync_threads()  # ... and with the start state, visible to every thread
             for step in T.serial(steps):
                 row = row_of(reverse, first, last, step)
-                T.ptx_wait_group(BIAS_STAGES - 2)
                 scale = mask_s[step % (2 * MASK_BLOCK)]
-                if scale != 0:  # this step's matrix (TMA) landed; the storage-sync pass puts the barrier that makes
-                    # the bias tile and the previous step's state visible after the cp.async wait
+                if scale != 0:
                     T.barrier_wait(m_full[step % 2], (T.if_then_else(step % 2 == 0, loads0, loads1) + 1) % 2)
-                if step % MASK_BLOCK == 0:  # the next block of masks, into the slot of the previous one
+                if step % MASK_BLOCK == 0:  # read MASK_BLOCK steps on, after the end-of-step barriers between
                     load_mask_block(mask, mask_s, num_heads, reverse, h, first, last, steps, step // MASK_BLOCK + 1)
-                # into the buffers the previous step read: the next step's matrix where its mask is not 0,
-                # and the bias tile BIAS_STAGES - 1 steps ahead
+                # the buffers the previous step read (its end barrier passed): the next matrix, the bias 3 steps on
                 if mask_s[(step + 1) % (2 * MASK_BLOCK)] != 0:
-                    load_matrix(mats, M_s, m_full, num_heads, reverse, h, first, last, step + 1)
+                    load_matrix(mats, M_s, m_full, num_heads, reverse, h, first, last, step + 1, tx)
                     if step % 2 == 0:
                         loads1 = loads1 + 1
                     else:
@@ -188,27 +201,34 @@ def build_segment_chain(block_v: int, rows_per_thread: int = ROWS_PER_THREAD, k_
                     for r in T.unroll(RT):
                         for c in T.unroll(BV):
                             prod[r, c] = 0.0
-                    for kq in T.serial(k_span // 4):
-                        k = k0 + 4 * kq
-                        if reverse != 0:  # M^T: m_part[r, q] = M[k + q, i]
+                    if reverse != 0:  # M^T: m_part[r, q] = M[k + q, i]
+                        for kq in k_loop(k_span // 4):
                             for r in T.unroll(RT):
                                 for q in T.unroll(4):
-                                    m_part[r, q] = M_s[step % 2, k + q, a + row_groups * r]
-                        else:
+                                    m_part[r, q] = M_s[step % 2, k0 + 4 * kq + q, a + row_groups * r]
+                            for q in T.unroll(4):
+                                for c in T.vectorized(BV):
+                                    s_part[q, c] = S_s[k0 + 4 * kq + q, c]
+                            for r in T.unroll(RT):
+                                for q in T.unroll(4):
+                                    for c in T.unroll(BV):
+                                        prod[r, c] += m_part[r, q] * s_part[q, c]
+                    else:
+                        for kq in k_loop(k_span // 4):
                             for r in T.unroll(RT):
                                 for q in T.vectorized(4):
-                                    m_part[r, q] = M_s[step % 2, a + row_groups * r, k + q]
-                        for q in T.unroll(4):
-                            for c in T.vectorized(BV):
-                                s_part[q, c] = S_s[k + q, c]
-                        for r in T.unroll(RT):
+                                    m_part[r, q] = M_s[step % 2, a + row_groups * r, k0 + 4 * kq + q]
                             for q in T.unroll(4):
-                                for c in T.unroll(BV):
-                                    prod[r, c] += m_part[r, q] * s_part[q, c]
+                                for c in T.vectorized(BV):
+                                    s_part[q, c] = S_s[k0 + 4 * kq + q, c]
+                            for r in T.unroll(RT):
+                                for q in T.unroll(4):
+                                    for c in T.unroll(BV):
+                                        prod[r, c] += m_part[r, q] * s_part[q, c]
                     for r in T.unroll(RT):
                         for c in T.vectorized(BV):
                             part_s[tx // row_groups, a + row_groups * r, c] = prod[r, c]
-                T.sync_threads()  # every partial product written, every read of this step's state done
+                T.sync_threads()  # every partial tile written, every read of this step's state and matrix done
                 for p in T.serial(quads // threads):  # out[row] = bias + mask M S, a row's four columns per thread
                     item = p * threads + tx
                     i = item // (BV // 4)
@@ -227,5 +247,7 @@ def build_segment_chain(block_v: int, rows_per_thread: int = ROWS_PER_THREAD, k_
                         S_s[i, c0 + c] = acc[c]
                     for c in T.vectorized(4):
                         out[row * num_heads + h, i, v0 + c0 + c] = acc[c]
+                T.ptx_wait_group(BIAS_STAGES - 2)  # the next step's bias landed
+                T.sync_threads()  # the new state, the next bias and the next masks visible; part_s, B_s free
 
     return segment_chain
