@@ -80,8 +80,14 @@ def _output(Q, K, S, Vn, gamma, Gamma, scale):
     return scale * (gamma[:, :, None] * (Q @ S) + (Gamma * (Q @ K.transpose(-1, -2))) @ Vn)
 
 
-def emulate_wy_inverse(k, beta, g, cu, offsets, GA, gcum, chunk_slots, search_steps, heads_per_cta, shared_k=True):
-    """shared_k: the build launched (one v-head per CTA without it)."""
+def emulate_wy_inverse(k, beta, beta32, g, cu, offsets, GA, gcum, chunk_slots, search_steps, heads_per_cta, shared_k=True,
+                       copy_beta=None):
+    """shared_k, copy_beta: the build launched (one v-head per CTA without shared_k; beta in k's dtype, its fp32
+    copy written to beta32, with copy_beta; None: the build beta's dtype calls for)."""
+    if copy_beta is None:
+        copy_beta = beta.dtype != torch.float32
+    if (beta.dtype == torch.float32) == copy_beta:
+        raise TypeError(f"wy_inverse (copy_beta={copy_beta}) launched with {beta.dtype} beta")
     Hv = GA.shape[1]
     if (Hv // k.shape[1]) % heads_per_cta or (heads_per_cta > 1 and not shared_k):  # one k-head per CTA
         raise ValueError(f"wy_inverse (shared_k={shared_k}) launched with {heads_per_cta} v-heads per CTA for GQA "
@@ -97,6 +103,8 @@ def emulate_wy_inverse(k, beta, g, cu, offsets, GA, gcum, chunk_slots, search_st
         lower = torch.ones(C, C, dtype=torch.bool).tril()
         Gamma = (gc[:, :, None] - gc[:, None, :]).masked_fill(~lower, -torch.inf).exp()
         gcum[:, t0:t0 + n] = gc[:, :n].to(gcum.dtype)
+        if copy_beta:
+            beta32[t0:t0 + n] = beta[t0:t0 + n].float()
         _store(GA, t0, n, Gamma * A)  # the walks' operand carries its gate mask, not beta
 
 
@@ -280,7 +288,8 @@ def install(monkeypatch):
     from flashqla.kernels.hopper import backward, launch
 
     kernels = {
-        "compiled_wy_inverse": lambda dtype, shared_k: functools.partial(emulate_wy_inverse, shared_k=shared_k),
+        "compiled_wy_inverse": lambda dtype, shared_k, copy_beta: functools.partial(emulate_wy_inverse, shared_k=shared_k,
+                                                                                     copy_beta=copy_beta),
         "compiled_chunk_states": lambda dtype, block_v: emulate_chunk_states,
         "compiled_chunk_output": lambda dtype: emulate_chunk_output,
         "compiled_fused_fwd": lambda dtype, block_v: emulate_fused_fwd,

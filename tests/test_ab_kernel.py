@@ -39,29 +39,29 @@ def test_parse_build_args_and_configs():
 
 def test_the_committed_kernel_against_itself_agrees_exactly(emulated):
     same = kernel_emulator.emulate_wy_inverse
-    rows = ab_kernel.ab("wy_inverse", ("bfloat16", False), {"same": same}, CONFIGS, cpu_inputs, log=lambda line: None)
+    rows = ab_kernel.ab("wy_inverse", ("bfloat16", False, True), {"same": same}, CONFIGS, cpu_inputs, log=lambda line: None)
     assert [row["variant"] for row in rows] == ["same"] * len(CONFIGS)
     for row in rows:
-        # GA (5) and gcum (6) are what it writes
-        assert sorted(row["outputs"]) == [5, 6]
+        # beta's fp32 copy (2), GA (6) and gcum (7) are what it writes
+        assert sorted(row["outputs"]) == [2, 6, 7]
         assert all(err == 0 and unwritten == 0 for err, unwritten in row["outputs"].values()), row
 
 
 def test_a_wrong_variant_shows_in_values_and_unwritten_rows(emulated):
     def off_by_a_percent(*args):
         kernel_emulator.emulate_wy_inverse(*args)
-        args[5].mul_(1.01)  # GA
+        args[6].mul_(1.01)  # GA
 
     def leaves_the_last_rows(*args):
         kernel_emulator.emulate_wy_inverse(*args)
-        args[6][:, -5:] = float("nan")  # gcum's last tokens unwritten, as a kernel that skipped them
+        args[7][:, -5:] = float("nan")  # gcum's last tokens unwritten, as a kernel that skipped them
 
     # both variants on one recorded launch, each on its own NaN-filled copy of the arguments
     wrong, unwritten = (row["outputs"] for row in ab_kernel.ab(
-        "wy_inverse", ("bfloat16", False), {"wrong": off_by_a_percent, "unwritten": leaves_the_last_rows},
+        "wy_inverse", ("bfloat16", False, True), {"wrong": off_by_a_percent, "unwritten": leaves_the_last_rows},
         CONFIGS[:1], cpu_inputs, log=lambda line: None))
-    assert 5e-3 < wrong[5][0] < 2e-2 and wrong[5][1] == 0 and wrong[6] == (0.0, 0)
-    assert unwritten[6][1] == 4 * 5 and unwritten[5] == (0.0, 0)
+    assert 5e-3 < wrong[6][0] < 2e-2 and wrong[6][1] == 0 and wrong[7] == wrong[2] == (0.0, 0)
+    assert unwritten[7][1] == 4 * 5 and unwritten[6] == unwritten[2] == (0.0, 0)
 
 
 def test_a_launch_the_call_never_makes_is_an_error(emulated):
@@ -76,10 +76,10 @@ def test_timed_runs_do_not_hide_the_outputs_from_the_comparison(emulated, monkey
     monkeypatch.setattr(ab_kernel.torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(ab_kernel, "graph_time_us", lambda fn, reps=20: (fn(), 1.0)[1])
     same = kernel_emulator.emulate_wy_inverse
-    rows = ab_kernel.ab("wy_inverse", ("bfloat16", False), {"first": same, "second": same}, CONFIGS[:1], cpu_inputs,
+    rows = ab_kernel.ab("wy_inverse", ("bfloat16", False, True), {"first": same, "second": same}, CONFIGS[:1], cpu_inputs,
                         log=lambda line: None)
     for row in rows:
-        assert sorted(row["outputs"]) == [5, 6], row
+        assert sorted(row["outputs"]) == [2, 6, 7], row
         assert row["committed_us"] == row["variant_us"] == 1.0
 
 
@@ -144,7 +144,7 @@ def test_a_variant_lacking_the_last_runtime_argument_compares_on_the_others(emul
         return committed, args
 
     monkeypatch.setattr(ab_kernel, "record_launch", record)
-    rows = ab_kernel.ab("wy_inverse", ("bfloat16", False), {"previous": ab_kernel.first_arguments(previous, -1)},
+    rows = ab_kernel.ab("wy_inverse", ("bfloat16", False, True), {"previous": ab_kernel.first_arguments(previous, -1)},
                         CONFIGS[:1], cpu_inputs, log=lambda line: None)
     assert seen["count"] == seen["total"] - 1
     assert all(err == 0 and unwritten == 0 for err, unwritten in rows[0]["outputs"].values()), rows
@@ -173,7 +173,7 @@ from flashqla.ops import backends
 patch.setattr(backends, "tilelang_unsupported_reason", lambda call: None)
 def variant_that_never_returns(*args):
     time.sleep(300)
-ab_kernel.ab("wy_inverse", ("bfloat16", False), {{"hung": variant_that_never_returns}}, [(1, 2, [64])], cpu_inputs,
+ab_kernel.ab("wy_inverse", ("bfloat16", False, True), {{"hung": variant_that_never_returns}}, [(1, 2, [64])], cpu_inputs,
              log=lambda line: print(line, flush=True), hang_seconds=10)
 print("returned")
 """)

@@ -69,11 +69,12 @@ def compile_from(module: str, builder: str, label: str, *args):
 
 
 @functools.lru_cache(maxsize=None)
-def compiled_wy_inverse(dtype: str, shared_k: bool):
+def compiled_wy_inverse(dtype: str, shared_k: bool, copy_beta: bool):
     """The compiled wy_inverse kernel for `dtype` (GA and gcum), with `shared_k` the build that takes several
-    v-heads of a GQA group per CTA: prebuilt, from TileLang's disk cache, or JIT (kernels/cache.py)."""
-    return compile_from("wy_inverse", "build_wy_inverse", f"wy_inverse({dtype}, shared_k={shared_k})", dtype,
-                        shared_k)
+    v-heads of a GQA group per CTA, with `copy_beta` the one that reads beta in `dtype` and writes its fp32
+    copy: prebuilt, from TileLang's disk cache, or JIT (kernels/cache.py)."""
+    label = f"wy_inverse({dtype}, shared_k={shared_k}" + (", copy_beta=True)" if copy_beta else ")")
+    return compile_from("wy_inverse", "build_wy_inverse", label, dtype, shared_k, copy_beta)
 
 
 @functools.lru_cache(maxsize=None)
@@ -136,8 +137,9 @@ def kernel_configs(dtypes=KERNEL_DTYPES):
     configuration; `flashqla precompile` relies on this list alone.
     """
     for dtype in dtypes:
-        yield compiled_wy_inverse, (dtype, False)
-        yield compiled_wy_inverse, (dtype, True)
+        for shared_k in (False, True):
+            for copy_beta in (False, True):
+                yield compiled_wy_inverse, (dtype, shared_k, copy_beta)
         yield compiled_chunk_output, (dtype,)
         for pair_sum in PAIR_SUMS:
             yield compiled_chunk_bwd_local, (dtype, pair_sum)
@@ -226,7 +228,7 @@ class KeptInverse:
 
     GA: torch.Tensor  # [T, Hv, 64]  Gamma o A
     gcum: torch.Tensor  # [Hv, T] fp32 chunk-local cumulative gate (natural log)
-    beta: torch.Tensor  # [T, Hv] fp32: beta itself when it is fp32, else the forward's copy (one launch less)
+    beta: torch.Tensor  # [T, Hv] fp32: beta itself when it is fp32, else the copy the forward's wy_inverse wrote
 
 
 @dataclass
@@ -286,13 +288,20 @@ def prepare(q, k, v, g, beta, cu_seqlens, chunk_offsets=None) -> ChunkedCall:
     device = q.device
     cu, offsets, chunk_slots = _layout(q, cu_seqlens, chunk_offsets)
     q3, k3, v3 = _flat(q, k, v)
-    beta2 = beta.view(B * T, Hv).float()  # the kernels read fp32 beta (a copy unless it is fp32; kept for the backward)
+    # the kernels read fp32 beta (kept for the backward): beta itself, or the copy wy_inverse writes of beta in
+    # q's dtype, or (another dtype still) a conversion here
+    beta_in = beta.view(B * T, Hv)
+    copy_beta = beta.dtype == q.dtype
+    if copy_beta:
+        beta2 = torch.empty(B * T, Hv, dtype=torch.float32, device=device)
+    else:
+        beta_in = beta2 = beta_in.float()
     GA = torch.empty(B * T, Hv, CHUNK, dtype=q.dtype, device=device)
     gcum = torch.empty(Hv, B * T, dtype=torch.float32, device=device)
     heads_per_cta = wy_heads_per_cta(chunk_slots, k.shape[2], Hv, sm_count_on(device))
-    inverse = compiled_wy_inverse(_TORCH_TO_TL[q.dtype], heads_per_cta > 1)
-    inverse(k3, beta2, g.view(B * T, Hv), cu, offsets, GA, gcum, chunk_slots, (cu.numel() - 1).bit_length(),
-            heads_per_cta)
+    inverse = compiled_wy_inverse(_TORCH_TO_TL[q.dtype], heads_per_cta > 1, copy_beta)
+    inverse(k3, beta_in, beta2, g.view(B * T, Hv), cu, offsets, GA, gcum, chunk_slots,
+            (cu.numel() - 1).bit_length(), heads_per_cta)
     return ChunkedCall(q3, k3, v3, beta2, GA, gcum, cu, offsets, chunk_slots, _TORCH_TO_TL[q.dtype])
 
 

@@ -67,10 +67,12 @@ HEAD_DIM = 128
 LOG2E = 1.4426950408889634
 
 
-def build_wy_inverse(dtype: str, shared_k: bool):
+def build_wy_inverse(dtype: str, shared_k: bool, copy_beta: bool):
     """Build the prim_func for q/k/v dtype `dtype` ("bfloat16" or "float16"); all sizes are dynamic. With
     `shared_k` a CTA takes `heads_per_cta` v-heads of one GQA group, else one v-head (and `heads_per_cta` must
-    be 1): its gates then load while K is in flight."""
+    be 1): its gates then load while K is in flight. With `copy_beta` beta comes in `dtype` and the kernel
+    writes the fp32 copy the walks read (`beta32`) as it reads it, in place of a conversion launch before it
+    (~4 us at (2, 8) x 32K on an H100); without, beta is fp32 and `beta32` is not touched."""
     num_tokens = T.dynamic("num_tokens")
     num_qk_heads = T.dynamic("num_qk_heads")
     num_v_heads = T.dynamic("num_v_heads")
@@ -78,20 +80,24 @@ def build_wy_inverse(dtype: str, shared_k: bool):
     C, D = CHUNK, HEAD_DIM
 
     @T.macro
-    def load_gates(beta, g, gcum, beta_sh, g_sh, start, n_rows, last, h):
-        """beta and the chunk-local cumsum of g to shared memory (zero past the sequence end); gcum stored."""
+    def load_gates(beta, beta32, g, gcum, beta_sh, g_sh, start, n_rows, last, h):
+        """beta and the chunk-local cumsum of g to shared memory (zero past the sequence end); gcum stored, and
+        with `copy_beta` beta's fp32 copy."""
         for r in T.Parallel(C):
-            beta_sh[r] = T.if_then_else(r < n_rows, beta[start + T.min(r, last), h], 0.0)
+            beta_sh[r] = T.if_then_else(r < n_rows, T.cast(beta[start + T.min(r, last), h], "float32"), 0.0)
             g_sh[r] = T.if_then_else(r < n_rows, g[start + T.min(r, last), h], 0.0)
         T.cumsum(src=g_sh, dst=g_sh, dim=0)
         for r in T.Parallel(C):
             if r < n_rows:
                 gcum[h, start + r] = g_sh[r]
+                if copy_beta:
+                    beta32[start + r, h] = beta_sh[r]
 
     @T.prim_func
     def wy_inverse(
         k: T.Tensor((num_tokens, num_qk_heads, D), dtype),
-        beta: T.Tensor((num_tokens, num_v_heads), "float32"),
+        beta: T.Tensor((num_tokens, num_v_heads), dtype if copy_beta else "float32"),
+        beta32: T.Tensor((num_tokens, num_v_heads), "float32"),
         g: T.Tensor((num_tokens, num_v_heads), "float32"),
         cu_seqlens: T.Tensor((num_seqs + 1,), "int32"),
         chunk_offsets: T.Tensor((num_seqs + 1,), "int32"),
@@ -135,7 +141,7 @@ def build_wy_inverse(dtype: str, shared_k: bool):
             # --- K and K K^T, once for the CTA's v-heads (one GQA group shares K); one v-head's gates meanwhile ----
             T.async_copy(k[start:start + C, hk, 0:D], K_sh)
             if not shared_k:
-                load_gates(beta, g, gcum, beta_sh, g_sh, start, n_rows, last, h0)
+                load_gates(beta, beta32, g, gcum, beta_sh, g_sh, start, n_rows, last, h0)
             T.ptx_wait_group(0)
             T.sync_threads()
             if n_rows < C:
@@ -147,7 +153,7 @@ def build_wy_inverse(dtype: str, shared_k: bool):
                 h = h0 + head
                 if shared_k:
                     T.sync_threads()  # the last v-head's steps (and K K^T) are done with the shared tiles
-                    load_gates(beta, g, gcum, beta_sh, g_sh, start, n_rows, last, h)
+                    load_gates(beta, beta32, g, gcum, beta_sh, g_sh, start, n_rows, last, h)
                     T.sync_threads()
                 # --- L = StrictLower(diag(beta) K K^T). X = (I + L)^{-1} needs no initial value: the steps below
                 # write every element of it before any is read (the diagonal blocks with their zeros above the

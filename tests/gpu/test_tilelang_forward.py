@@ -180,6 +180,23 @@ def test_wy_inverse_with_gqa_heads_sharing_a_cta(Hqk, Hv, heads, poisoned_output
     assert_matches(call)
 
 
+@pytest.mark.parametrize("heads", [1, 4])
+def test_wy_inverse_writes_the_fp32_beta_it_reads_in_the_input_dtype(heads, poisoned_outputs, monkeypatch):
+    """beta in q's dtype: wy_inverse's copy_beta build writes the walks' fp32 beta itself (no conversion launch),
+    every row of it (outputs NaN-poisoned), equal to beta.float(); GA and gcum bitwise those of the fp32-beta build
+    on the converted beta. One v-head per CTA and a GQA group of 4 per CTA; 1-, 65- and 129-token sequences."""
+    from flashqla.kernels.hopper import launch
+
+    call = make_call([1, 65, 700, 64, 129], 2, 8, seed=23)
+    args = [call[n] for n in ("q", "k", "v", "g", "beta", "cu_seqlens")]
+    monkeypatch.setattr(launch, "wy_heads_per_cta", lambda chunk_slots, qk_heads, v_heads, sms: heads)
+    copied = launch.prepare(*args)
+    args[4] = call["beta"].float()
+    converted = launch.prepare(*args)
+    assert torch.equal(copied.beta, converted.beta.view_as(copied.beta))
+    assert torch.equal(copied.GA, converted.GA) and torch.equal(copied.gcum, converted.gcum)
+
+
 def test_32k_sequence_matches_recurrence(poisoned_outputs):
     """Precision on a long sequence: 512 chunks of bf16 states, strong-decay and g = 0 heads."""
     assert_matches(make_call([32768], 2, 8, seed=12))
