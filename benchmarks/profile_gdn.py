@@ -4,6 +4,7 @@
     python benchmarks/profile_gdn.py first-call [--top 40]
     python benchmarks/profile_gdn.py plain [--heads 16,32] [--tokens 32768] [--seqs 8] [--steps 3] [--intra-cp auto]
     python benchmarks/profile_gdn.py graph [--heads 2,8] [--tokens 32768] [--seqs 1] [--intra-cp auto] [--backward]
+                                           [--impl flash_qla]
 
 `step`: torch.profiler over a few warm fwd+bwd calls; prints the CUDA kernels by total time (one table for
 the forward alone, one for fwd+bwd) and the host wall time per call, to find the stage to work on next.
@@ -12,7 +13,8 @@ an empty TILELANG_CACHE_DIR and FLASHQLA_PREBUILT_KERNELS pointing at a prebuilt
 first call of a user's process spends (issue 12).
 `graph`: the forward (or, with --backward, fwd+bwd) captured in one CUDA graph and replayed under the
 profiler: every kernel of one replay in launch order with its start and duration, and the replay's span
-against the sum of its kernels (what the boundaries between kernels cost).
+against the sum of its kernels (what the boundaries between kernels cost). `--impl` names another
+implementation of bench_bwd.py (`flash_qla`, `fla`, `flashqla_L16`, ...) to list its kernels the same way.
 `plain`: a few fwd+bwd calls and nothing else (no profiler of its own), for Nsight Compute to attach to
 (scripts/device_ncu.sh).
 """
@@ -26,12 +28,12 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+import flashqla
+from bench_bwd import forward_fn
 from bench_gdn import captured_graph, make_inputs
 
 
 def _call(inputs, intra_cp="off"):
-    import flashqla
-
     q, k, v, g, beta, cu = inputs
     leaves = [t.detach().requires_grad_(True) for t in (q, k, v, g, beta)]
     o, _ = flashqla.chunk_gated_delta_rule(*leaves, cu_seqlens=cu, backend="tilelang", intra_cp=intra_cp)
@@ -99,11 +101,15 @@ def profile_graph(args):
     label, inputs, do, intra_cp = _setup(args)
     leaves = [t.detach().requires_grad_(args.backward) for t in inputs[:5]]
 
-    def step():
-        import flashqla
+    if args.impl:
+        label = f"{args.impl} {label.split(', intra_cp')[0]}"
+        run = forward_fn(args.impl)
+    else:
+        run = lambda q, k, v, g, beta, cu: flashqla.chunk_gated_delta_rule(  # noqa: E731
+            q, k, v, g, beta, cu_seqlens=cu, backend="tilelang", intra_cp=intra_cp)[0]
 
-        o, _ = flashqla.chunk_gated_delta_rule(*leaves, cu_seqlens=inputs[5], backend="tilelang",
-                                               intra_cp=intra_cp)
+    def step():
+        o = run(*leaves, inputs[5])
         if args.backward:  # the gradients returned, not accumulated into .grad (as bench_bwd.py times them)
             torch.autograd.grad(o, leaves, do)
 
@@ -137,6 +143,8 @@ def main():
     ap.add_argument("--steps", type=int, default=3, help="plain: fwd+bwd calls")
     ap.add_argument("--intra-cp", default="off", help="'off', 'auto' or a segment length in chunks")
     ap.add_argument("--backward", action="store_true", help="graph: capture fwd+bwd instead of the forward")
+    ap.add_argument("--impl", default=None, help="graph: a bench_bwd.py implementation instead of flashqla's "
+                    "public op (e.g. flash_qla)")
     args = ap.parse_args()
     {"step": profile_step, "first-call": profile_first_call, "plain": plain_steps,
      "graph": profile_graph}[args.what](args)
