@@ -49,7 +49,7 @@ The step's matrix arrives on m_full, armed by warp 0 alone (its elected lane's e
 sync, the warp's 32 arrivals), so no barrier sits between the expect_tx and the arrivals. The product's k
 loop is unrolled for each direction apart on V tiles up to 8 columns; at 16 the unrolled loop is slower.
 H100, 2026-12-05 (docs/kernels.md, "Forty-third session"), the kernel alone against the six-barrier build:
-16 steps x 8 heads, 2 exact, V tile 8: 32.8 -> 27.2 us; 32 steps x 4 heads, V tile 4: 58.0 -> 54.3 us.
+16 steps x 8 heads, 2 exact, V tile 8: 32.9 -> 27.2 us; 32 steps x 4 heads, V tile 4: 61.4 -> 51.0 us.
 """
 import tilelang.language as T
 from tilelang.layout import make_full_bank_swizzled_layout
