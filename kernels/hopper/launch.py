@@ -180,7 +180,7 @@ def summary_block_v(num_walks: int, sm_count: int) -> int:
     return BLOCK_V_CHOICES[0]
 
 
-WY_INVERSE_CTAS_PER_SM = 5  # wy_inverse.py's occupancy (registers)
+WY_INVERSE_CTAS_PER_SM = 5  # wy_inverse.py's occupancy (registers) in the shared-K build (the one-v-head build: 6)
 WY_INVERSE_MIN_WAVES = 1.5
 
 

@@ -14,9 +14,11 @@ keeps beta out so that the backward can read it as well (chunk_bwd_local.py: eve
 exact GA form, and a column scaled by beta = 0 could not be undone): a forward whose backward will run
 keeps GA and gcum, and the backward computes no second inverse. W = diag(gamma) A diag(beta) K and U =
 GA diag(beta) V (docs/algorithm.md W1-W2) are not formed here or anywhere: the walks form what they need of
-them from GA. K, L and GA share one buffer: 32.5 KiB of shared memory and 96 registers, 5 CTAs per SM (a
-build that also stored W and U, dropped on 2026-12-04, needed 48.5 KiB and 123: 4). The inverse needs no exp;
-the gates enter only GA.
+them from GA. K, L and GA share one buffer: 32.5 KiB of shared memory, room for 6 CTAs per SM; the one-v-head
+build is held to 80 registers for those 6 (no spills; 1.02-1.05x its 96-register, 5-CTA build at (16, 16) and
+(32, 32) x 32K, H100, 2026-12-05, docs/kernels.md "Forty-third session"), the shared-K build to 96 and 5 (at
+80 it spills 40 bytes and was 0.83-0.95x). A build that also stored W and U, dropped on 2026-12-04, needed
+48.5 KiB and 123 registers: 4. The inverse needs no exp; the gates enter only GA.
 
 A CTA takes one chunk and one v-head, or, in the `shared_k` build, `heads_per_cta` v-heads of one GQA group
 (launch.wy_heads_per_cta: the most of the group that still leaves 1.5 waves of CTAs), which share K: K is
@@ -109,7 +111,9 @@ def build_wy_inverse(dtype: str, shared_k: bool, copy_beta: bool):
     ):
         with T.Kernel(num_chunk_slots * (num_v_heads // heads_per_cta) if shared_k else num_chunk_slots,
                       1 if shared_k else num_v_heads, threads=128) as (cta, hv):
-            T.annotate_min_blocks_per_sm(5)  # <= 102 registers: 5 CTAs per SM (the merge's fragments want 111)
+            # 5 CTAs per SM: <= 102 registers (the merge's fragments want 111); 6: <= 85, which the one-v-head
+            # build meets without spills
+            T.annotate_min_blocks_per_sm(5 if shared_k else 6)
             chunk = T.alloc_var("int32")
             h0 = T.alloc_var("int32")  # the CTA's first v-head
             h = T.alloc_var("int32")  # the v-head in work
