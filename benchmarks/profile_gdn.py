@@ -102,6 +102,8 @@ def profile_graph(args):
     leaves = [t.detach().requires_grad_(args.backward) for t in inputs[:5]]
 
     if args.impl:
+        if args.intra_cp != "off":
+            raise SystemExit("--intra-cp is flashqla's public op's; with --impl name a flashqla_L<n> implementation")
         label = f"{args.impl} {label.split(', intra_cp')[0]}"
         run = forward_fn(args.impl)
     else:

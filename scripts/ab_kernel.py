@@ -1,9 +1,9 @@
 """One kernel of flashqla.kernels.hopper against a variant of it, on the arguments the public op passes it.
 
     # here, without a GPU: build the variant for sm_90a into its own TileLang cache (carry it to the device)
-    .venv/bin/python scripts/ab_kernel.py compile path/to/variant.py build_wy_inverse bfloat16 False --cache DIR
+    .venv/bin/python scripts/ab_kernel.py compile path/to/variant.py build_wy_inverse bfloat16 False True --cache DIR
     # on the H200 (the committed kernels prebuilt, DIR merged into TILELANG_CACHE_DIR or given as --cache):
-    python3 scripts/ab_kernel.py run wy_inverse path/to/variant.py build_wy_inverse bfloat16 False \\
+    python3 scripts/ab_kernel.py run wy_inverse path/to/variant.py build_wy_inverse bfloat16 False True \\
         --configs 16:64:8192x4,2:8:32768x1 [--intra-cp off] [--reps 20]
     # a previous version of a kernel whose builder takes other build arguments (--variant-args), or fewer runtime
     # arguments (--variant-takes: the first N of the recorded launch's; here the one before a trailing scalar)
@@ -11,7 +11,7 @@
     python3 scripts/ab_kernel.py run chunk_bwd_local .devvar/cbl_main.py build_chunk_bwd_local bfloat16 \\
         --variant-takes 18
     # the committed kernel with another value of its last runtime argument (here 2 v-heads per CTA)
-    python3 scripts/ab_kernel.py run wy_inverse kernels/hopper/wy_inverse.py build_wy_inverse bfloat16 True \\
+    python3 scripts/ab_kernel.py run wy_inverse kernels/hopper/wy_inverse.py build_wy_inverse bfloat16 True True \\
         --variant-last-arg 2 --configs 2:8:16384x1
     # a later launch of the same build (fused_fwd's second in a fwd+bwd is the backward's state recompute),
     # against a variant built with other arguments (a V tile of 64 where the committed kernel's is 32)
@@ -200,14 +200,16 @@ def with_last_argument(kernel, value):
 
 
 def compile_variant(path, builder, build_args):
-    """The variant, built with the package's pass configs plus those in AB_PASS_CONFIGS (a JSON object, e.g.
-    '{"tl.disable_thread_storage_sync": true}'; set it alike where the variant is compiled and where it runs,
-    the cache key includes them)."""
+    """The variant, built with the pass configs of the kernel module its builder names (`build_<module>`: the
+    package's, with launch.MODULE_PASS_CONFIGS' for that module, as the committed kernel is built) plus those in
+    AB_PASS_CONFIGS (a JSON object, e.g. '{"tl.disable_thread_storage_sync": true}'; set it alike where the
+    variant is compiled and where it runs, the cache key includes them)."""
     import tilelang
 
     from flashqla.kernels.hopper import launch
 
-    pass_configs = {**launch._pass_configs(), **json.loads(os.environ.get("AB_PASS_CONFIGS", "{}"))}
+    module = builder[len("build_"):] if builder.startswith("build_") else None
+    pass_configs = {**launch._pass_configs(module), **json.loads(os.environ.get("AB_PASS_CONFIGS", "{}"))}
     return tilelang.compile(load_builder(path, builder)(*build_args), target=launch.TARGET, pass_configs=pass_configs)
 
 

@@ -1,7 +1,7 @@
 """Registers, shared memory and CTAs per SM of a TileLang kernel built here for sm_90a (no GPU needed).
 
-    .venv/bin/python scripts/kernel_resources.py wy_inverse build_wy_inverse bfloat16
-    .venv/bin/python scripts/kernel_resources.py path/to/variant.py build_wy_inverse bfloat16
+    .venv/bin/python scripts/kernel_resources.py wy_inverse build_wy_inverse bfloat16 True True
+    .venv/bin/python scripts/kernel_resources.py path/to/variant.py build_wy_inverse bfloat16 True True
     .venv/bin/python scripts/kernel_resources.py --source out.cu chunk_bwd_local build_chunk_bwd_local bfloat16
     .venv/bin/python scripts/kernel_resources.py --sass out.sass chunk_bwd_local build_chunk_bwd_local bfloat16
 
@@ -259,7 +259,9 @@ def main():
         prim_func = load_builder(target, builder)(*args)
         keep = os.path.join(cache, "nvcc")  # nvcc's intermediates, the PTX among them
         os.makedirs(keep)
-        module = None if target.endswith(".py") else target  # a variant file gets every kernel's configs only
+        # a kernel module's pass configs (launch.MODULE_PASS_CONFIGS); a variant file's, those of the module its
+        # builder names (`build_<module>`), as scripts/ab_kernel.py builds it
+        module = builder[len("build_"):] if target.endswith(".py") and builder.startswith("build_") else target
         configs = {**launch._pass_configs(module),
                    "tl.device_compile_flags": ["--ptxas-options=--verbose", "--keep", f"--keep-dir={keep}"]}
         kernel, messages = ptxas_report(lambda: tilelang.compile(prim_func, target=launch.TARGET, pass_configs=configs))

@@ -86,8 +86,8 @@ def emulate_wy_inverse(k, beta, beta32, g, cu, offsets, GA, gcum, chunk_slots, s
     copy written to beta32, with copy_beta; None: the build beta's dtype calls for)."""
     if copy_beta is None:
         copy_beta = beta.dtype != torch.float32
-    if (beta.dtype == torch.float32) == copy_beta:
-        raise TypeError(f"wy_inverse (copy_beta={copy_beta}) launched with {beta.dtype} beta")
+    if beta.dtype != (k.dtype if copy_beta else torch.float32):  # the build's signature types beta
+        raise TypeError(f"wy_inverse (copy_beta={copy_beta}) launched with {beta.dtype} beta and {k.dtype} k")
     Hv = GA.shape[1]
     if (Hv // k.shape[1]) % heads_per_cta or (heads_per_cta > 1 and not shared_k):  # one k-head per CTA
         raise ValueError(f"wy_inverse (shared_k={shared_k}) launched with {heads_per_cta} v-heads per CTA for GQA "

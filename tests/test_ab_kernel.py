@@ -83,7 +83,7 @@ def test_timed_runs_do_not_hide_the_outputs_from_the_comparison(emulated, monkey
         assert row["committed_us"] == row["variant_us"] == 1.0
 
 
-def test_variants_build_with_the_package_pass_configs_plus_those_named_in_the_environment(monkeypatch):
+def test_variants_build_with_their_module_pass_configs_plus_those_named_in_the_environment(monkeypatch):
     import tilelang
 
     built = {}
@@ -96,6 +96,11 @@ def test_variants_build_with_the_package_pass_configs_plus_those_named_in_the_en
     assert built["pass_configs"] == {"tl.enable_fast_math": True}
     monkeypatch.setenv("AB_PASS_CONFIGS", '{"tl.disable_thread_storage_sync": true}')
     ab_kernel.compile_variant("variant.py", "build_x", ("bfloat16",))
+    assert built["pass_configs"] == {"tl.enable_fast_math": True, "tl.disable_thread_storage_sync": True}
+    # a variant of a kernel module with its own pass configs is built with them, as the committed kernel is
+    # (segment_chain places its barriers by hand: with the storage-sync pass on, an A/B compares other builds)
+    monkeypatch.delenv("AB_PASS_CONFIGS")
+    ab_kernel.compile_variant("sc_variant.py", "build_segment_chain", (8,))
     assert built["pass_configs"] == {"tl.enable_fast_math": True, "tl.disable_thread_storage_sync": True}
 
 

@@ -701,6 +701,27 @@ def test_prepare_launches_the_shared_k_build_with_a_gqa_group_per_cta_where_wave
     assert torch.equal(wide.GA, shared.GA) and torch.equal(wide.gcum, shared.gcum)
 
 
+@pytest.mark.parametrize("beta_dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
+def test_prepare_gives_wy_inverse_beta_as_its_build_reads_it(hopper, monkeypatch, beta_dtype):
+    """bf16 q and k: beta in bf16 goes to wy_inverse's copy_beta build, which writes the fp32 beta the walks read
+    (no conversion launch); fp32 beta to the fp32 build, the walks reading beta itself (no copy); beta in a third
+    dtype is converted first. The emulator refuses a beta whose dtype the launched build does not take."""
+    from flashqla.kernels.hopper import launch
+
+    builds = []
+    real = launch.compiled_wy_inverse
+    monkeypatch.setattr(launch, "compiled_wy_inverse", lambda dtype, shared_k, copy_beta: builds.append(copy_beta)
+                        or real(dtype, shared_k, copy_beta))
+    args, cu = call([130, 1, 64], Hqk=2, Hv=4, seed=16)
+    beta = args["beta"].to(beta_dtype)
+    x = launch.prepare(args["q"], args["k"], args["v"], args["g"], beta, cu)
+    assert builds == [beta_dtype == torch.bfloat16]
+    assert x.beta.dtype == torch.float32 and torch.equal(x.beta, beta.reshape(x.beta.shape).float())
+    assert (x.beta.data_ptr() == beta.data_ptr()) == (beta_dtype == torch.float32)
+    kept = launch.prepare_from_kept(args["q"], args["k"], args["v"], x.kept(), cu)
+    assert kept.beta is x.beta  # the backward reads the forward's fp32 beta
+
+
 def test_the_backward_walks_go_side_by_side_only_where_one_walk_leaves_sms_idle(hopper, monkeypatch):
     """launch.walks_fill on an H200's 132 SMs: one walk at the narrowest V tile (32, four CTAs per sequence
     and v-head) needs 0.7 x 132 CTAs to fill the GPU; below that the backward runs its two walks on two

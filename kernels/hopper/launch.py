@@ -290,7 +290,7 @@ def prepare(q, k, v, g, beta, cu_seqlens, chunk_offsets=None) -> ChunkedCall:
     q3, k3, v3 = _flat(q, k, v)
     # the kernels read fp32 beta (kept for the backward): beta itself, or the copy wy_inverse writes of beta in
     # q's dtype, or (another dtype still) a conversion here
-    beta_in = beta.view(B * T, Hv)
+    beta_in = beta.reshape(B * T, Hv).contiguous()  # (a no-op for the public op's dense beta)
     copy_beta = beta.dtype == q.dtype
     if copy_beta:
         beta2 = torch.empty(B * T, Hv, dtype=torch.float32, device=device)

@@ -127,6 +127,8 @@ def build_segment_chain(block_v: int, rows_per_thread: int = ROWS_PER_THREAD, k_
             mask_s[block % 2 * MASK_BLOCK + j] = mask_of(mask, num_heads, reverse, h, first, last, steps,
                                                          block * MASK_BLOCK + j)
 
+    # built without the storage-sync pass (launch.MODULE_PASS_CONFIGS): no barrier below is automatic, so a new
+    # shared-memory write or read needs its own ordering against the two barriers a step (module docstring)
     @T.prim_func
     def segment_chain(
         out: T.Tensor((num_mats, D, D), "float32"),

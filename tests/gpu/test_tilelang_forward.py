@@ -190,9 +190,14 @@ def test_wy_inverse_writes_the_fp32_beta_it_reads_in_the_input_dtype(heads, pois
     call = make_call([1, 65, 700, 64, 129], 2, 8, seed=23)
     args = [call[n] for n in ("q", "k", "v", "g", "beta", "cu_seqlens")]
     monkeypatch.setattr(launch, "wy_heads_per_cta", lambda chunk_slots, qk_heads, v_heads, sms: heads)
+    builds = []
+    real = launch.compiled_wy_inverse
+    monkeypatch.setattr(launch, "compiled_wy_inverse", lambda dtype, shared_k, copy_beta: builds.append(copy_beta)
+                        or real(dtype, shared_k, copy_beta))
     copied = launch.prepare(*args)
     args[4] = call["beta"].float()
     converted = launch.prepare(*args)
+    assert builds == [True, False]  # the copy build, then the fp32-beta build
     assert torch.equal(copied.beta, converted.beta.view_as(copied.beta))
     assert torch.equal(copied.GA, converted.GA) and torch.equal(copied.gcum, converted.gcum)
 
