@@ -113,6 +113,18 @@ def build_segment_chain(block_v: int, rows_per_thread: int = ROWS_PER_THREAD, k_
             T.barrier_arrive(m_full[step % 2])
 
     @T.macro
+    def add_k_block(S_s, s_part, m_part, prod, k):
+        """prod += m_part @ S[k .. k + 3, :]: this thread's rows of M (or M^T, as the direction loaded m_part)
+        over four k, times those four rows of the state."""
+        for q in T.unroll(4):
+            for c in T.vectorized(BV):
+                s_part[q, c] = S_s[k + q, c]
+        for r in T.unroll(RT):
+            for q in T.unroll(4):
+                for c in T.unroll(BV):
+                    prod[r, c] += m_part[r, q] * s_part[q, c]
+
+    @T.macro
     def load_bias(bias, B_s, num_heads, reverse, h, v0, first, last, steps, step):
         """Step `step`'s bias tile into its buffer (cp.async, one commit group); past the last step a repeat
         of the last one, so that every step commits a group."""
@@ -208,25 +220,13 @@ def build_segment_chain(block_v: int, rows_per_thread: int = ROWS_PER_THREAD, k_
                             for r in T.unroll(RT):
                                 for q in T.unroll(4):
                                     m_part[r, q] = M_s[step % 2, k0 + 4 * kq + q, a + row_groups * r]
-                            for q in T.unroll(4):
-                                for c in T.vectorized(BV):
-                                    s_part[q, c] = S_s[k0 + 4 * kq + q, c]
-                            for r in T.unroll(RT):
-                                for q in T.unroll(4):
-                                    for c in T.unroll(BV):
-                                        prod[r, c] += m_part[r, q] * s_part[q, c]
+                            add_k_block(S_s, s_part, m_part, prod, k0 + 4 * kq)
                     else:
                         for kq in k_loop(k_span // 4):
                             for r in T.unroll(RT):
                                 for q in T.vectorized(4):
                                     m_part[r, q] = M_s[step % 2, a + row_groups * r, k0 + 4 * kq + q]
-                            for q in T.unroll(4):
-                                for c in T.vectorized(BV):
-                                    s_part[q, c] = S_s[k0 + 4 * kq + q, c]
-                            for r in T.unroll(RT):
-                                for q in T.unroll(4):
-                                    for c in T.unroll(BV):
-                                        prod[r, c] += m_part[r, q] * s_part[q, c]
+                            add_k_block(S_s, s_part, m_part, prod, k0 + 4 * kq)
                     for r in T.unroll(RT):
                         for c in T.vectorized(BV):
                             part_s[tx // row_groups, a + row_groups * r, c] = prod[r, c]
