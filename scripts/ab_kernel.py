@@ -42,7 +42,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "..", "benchmarks"))
 
-from kernel_resources import load_builder, parse_build_args  # noqa: E402
+from kernel_resources import kernel_module, load_builder, parse_build_args  # noqa: E402
 
 
 def _clone(args):
@@ -208,8 +208,8 @@ def compile_variant(path, builder, build_args):
 
     from flashqla.kernels.hopper import launch
 
-    module = builder[len("build_"):] if builder.startswith("build_") else None
-    pass_configs = {**launch._pass_configs(module), **json.loads(os.environ.get("AB_PASS_CONFIGS", "{}"))}
+    pass_configs = {**launch._pass_configs(kernel_module(path, builder)),
+                    **json.loads(os.environ.get("AB_PASS_CONFIGS", "{}"))}
     return tilelang.compile(load_builder(path, builder)(*build_args), target=launch.TARGET, pass_configs=pass_configs)
 
 

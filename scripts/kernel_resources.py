@@ -52,6 +52,15 @@ def load_builder(target: str, builder: str):
     return getattr(module, builder)
 
 
+def kernel_module(target: str, builder: str) -> str | None:
+    """The kernel module whose pass configs (launch.MODULE_PASS_CONFIGS) a build of `builder` from `target`
+    takes: the module `target` names, or for a variant file the module its builder names (`build_<module>`),
+    so that a variant is built as the committed kernel is."""
+    if not target.endswith(".py"):
+        return target
+    return builder[len("build_"):] if builder.startswith("build_") else None
+
+
 def parse_build_args(raw) -> tuple:
     """Command-line builder arguments: integers where they look like integers, True/False as bools."""
     return tuple(int(a) if a.lstrip("-").isdigit() else {"True": True, "False": False}.get(a, a) for a in raw)
@@ -259,10 +268,7 @@ def main():
         prim_func = load_builder(target, builder)(*args)
         keep = os.path.join(cache, "nvcc")  # nvcc's intermediates, the PTX among them
         os.makedirs(keep)
-        # a kernel module's pass configs (launch.MODULE_PASS_CONFIGS); a variant file's, those of the module its
-        # builder names (`build_<module>`), as scripts/ab_kernel.py builds it
-        module = builder[len("build_"):] if target.endswith(".py") and builder.startswith("build_") else target
-        configs = {**launch._pass_configs(module),
+        configs = {**launch._pass_configs(kernel_module(target, builder)),
                    "tl.device_compile_flags": ["--ptxas-options=--verbose", "--keep", f"--keep-dir={keep}"]}
         kernel, messages = ptxas_report(lambda: tilelang.compile(prim_func, target=launch.TARGET, pass_configs=configs))
         source = kernel.get_kernel_source()
