@@ -105,10 +105,8 @@ def profile_graph(args):
         if args.intra_cp != "off":
             raise SystemExit("--intra-cp is flashqla's public op's; with --impl name a flashqla_L<n> implementation")
         label = f"{args.impl} {label.split(', intra_cp')[0]}"
-        run = forward_fn(args.impl)
-    else:
-        run = lambda q, k, v, g, beta, cu: flashqla.chunk_gated_delta_rule(  # noqa: E731
-            q, k, v, g, beta, cu_seqlens=cu, backend="tilelang", intra_cp=intra_cp)[0]
+    # flashqla's public op by bench_bwd.py's name for this intra_cp
+    run = forward_fn(args.impl or {"off": "flashqla", "auto": "flashqla_cp"}.get(intra_cp, f"flashqla_L{intra_cp}"))
 
     def step():
         o = run(*leaves, inputs[5])
