@@ -115,12 +115,12 @@ def _gate_flags(has_prev: list, has_next: list, last_row: int) -> list:
     return table
 
 
-def _into_next(idx: _PlanTensors, exact, into_final: bool):
-    """[rows, Hv] 0/1 in exact's dtype: whether the state leaving segment j reaches what follows it,
-    exact_{j+1} into the sequence's next segment, `into_final` out of its last one (with into_final True, the
-    f of `exit_gradients`, which segment_chain computes itself from `exact`)."""
-    exact_next = torch.full_like(exact, into_final)
-    exact_next[:-1] = torch.where(idx.has_next[:-1, None], exact[1:], into_final)
+def _into_next(idx: _PlanTensors, exact):
+    """[rows, Hv] 0/1 in exact's dtype: whether the state leaving segment j reaches the sequence's next segment
+    on the exact path, exact_{j+1}, and 0 out of its last one (the f of `exit_gradients` is 1 there instead;
+    segment_chain computes that f itself from `exact`)."""
+    exact_next = torch.zeros_like(exact)
+    exact_next[:-1] = torch.where(idx.has_next[:-1, None], exact[1:], 0.0)
     return exact_next
 
 
@@ -342,7 +342,7 @@ def entering_gradient(hopper, pro: BackwardPrologue):
     S0, M, exact = pro.starts
     X = pro.exits_without_dht = exit_gradients(hopper, pro.D, M, exact, pro.idx, None)
     first = pro.idx.first_row
-    into_next = _into_next(pro.idx, exact, False)[first].to(X.dtype)  # [Hv]
+    into_next = _into_next(pro.idx, exact)[first].to(X.dtype)  # [Hv]
     return pro.D[first] + into_next[:, None, None] * (M[first].transpose(-1, -2) @ X[first])
 
 
