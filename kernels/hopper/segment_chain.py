@@ -251,5 +251,6 @@ def build_segment_chain(block_v: int, rows_per_thread: int = ROWS_PER_THREAD, k_
                         out[row * num_heads + h, i, v0 + c0 + c] = acc[c]
                 T.ptx_wait_group(BIAS_STAGES - 2)  # the next step's bias landed
                 T.sync_threads()  # the new state, the next bias and the next masks visible; part_s, B_s free
+            T.ptx_wait_group(0)  # the loop's last bias copies (past the chain's end) land before the CTA exits
 
     return segment_chain
