@@ -69,6 +69,7 @@ barriers in warp-specialised branches take ids from 3 upwards; fragments are all
 fragment's layout is inferred for the threads of the branch that uses it).
 """
 import tilelang.language as T
+from tilelang.layout import make_swizzled_layout
 
 from .walk_gates import load_gate_rows
 
@@ -221,6 +222,10 @@ def build_fused_fwd(dtype: str, block_v: int):
             o_ready = T.alloc_barrier(arrive_count=WG)
             o_free = T.alloc_barrier(arrive_count=64)
 
+            # V_s and O_sh are read (the chain's Vd) and written (O) element by element in the accumulator layout,
+            # 8 rows at once: row-major their rows share banks (8-way conflicts, L1 at 90% of its peak). Swizzled
+            # (TMA loads and stores them swizzled too): (2, 8) x 4K x 8 155.4 -> 131.6 us on an H100, outputs equal.
+            T.annotate_layout({V_s: make_swizzled_layout(V_s), O_sh: make_swizzled_layout(O_sh)})
             tx = T.get_thread_binding()
             if tx < WG:
                 chain(0, CHAIN_BARRIERS[0], v0, n_chunks, seq_len, state_row, h0, ht, use_h0, store_ht, store_states,
