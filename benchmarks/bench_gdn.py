@@ -300,12 +300,14 @@ def grouped_bars(path, labels, series, ylabel, title, width_per_group=1.2, label
     fig.savefig(path, dpi=120)
 
 
-def plot(path, rows):
+def plot(path, rows, device):
+    """Bars per config: flashqla with CP off and with AutoCP beside the peers (series nobody timed left out)."""
     series = [(label, [r.get(key) or 0 for r in rows]) for key, label in (
-        ("flashqla", "flashqla"), ("best", "flashqla best"), ("fla", "FLA 0.6 Triton"), ("flash_qla", "FlashQLA 0.1.3"),
-        ("flash_qla_cp", "FlashQLA 0.1.3 AutoCP"))]
+        ("flashqla_fused", "flashqla, CP off"), ("flashqla_cp", "flashqla, AutoCP"), ("fla", "FLA 0.6 Triton"),
+        ("flash_qla", "FlashQLA 0.1.3, CP off"), ("flash_qla_cp", "FlashQLA 0.1.3, AutoCP"))
+        if any(r.get(key) for r in rows)]
     grouped_bars(path, [f"{r['name']}\n{r['seqs']}" for r in rows], series, "forward ms (lower is better)",
-                 "GDN forward, H200, bf16, K = V = 128")
+                 f"GDN forward, {device}, bf16, K = V = 128")
 
 
 def main():
@@ -386,7 +388,7 @@ def main():
     report = write_report(args.out, rows, versions(), notes, peaks)
     print(report)
     try:
-        plot(args.png, rows)
+        plot(args.png, rows, torch.cuda.get_device_name())
     except Exception as exc:
         print(f"no plot: {exc}")
 

@@ -58,3 +58,16 @@ def test_floors_hold_the_design_docs_tp8_figures_and_the_backward_counts():
     half = floors.Peaks(2.15e12, 395e12, "half an H200")
     assert [2 * x for x in floors.backward_floors_us(2, 8, 32768)] == pytest.approx(
         floors.backward_floors_us(2, 8, 32768, half))
+
+
+def test_forward_chart_leaves_out_series_nobody_timed(tmp_path, monkeypatch):
+    """The chart's bars: flashqla CP off and AutoCP beside the peers; a peer left out (--skip fla) gets no legend
+    entry, and the title names the device it ran on."""
+    drawn = {}
+    monkeypatch.setattr(bench_gdn, "grouped_bars", lambda path, labels, series, ylabel, title: drawn.update(
+        labels=labels, series=[label for label, _ in series], title=title))
+    rows = [dict(name="397B TP8", seqs="32768x1", flashqla_fused=0.95, flashqla_cp=0.28, fla=None, flash_qla=1.0,
+                 flash_qla_cp=0.4)]
+    bench_gdn.plot(tmp_path / "fwd.png", rows, "NVIDIA H100 80GB HBM3")
+    assert drawn["series"] == ["flashqla, CP off", "flashqla, AutoCP", "FlashQLA 0.1.3, CP off", "FlashQLA 0.1.3, AutoCP"]
+    assert "H100" in drawn["title"] and drawn["labels"] == ["397B TP8\n32768x1"]
