@@ -1,0 +1,350 @@
+"""Shared-memory bank conflicts of a TileLang kernel, read off its generated CUDA source (no GPU needed).
+
+    .venv/bin/python scripts/kernel_resources.py --source wy.cu wy_inverse build_wy_inverse bfloat16 True True
+    .venv/bin/python scripts/bank_conflicts.py wy.cu [--top 20] [--all]
+
+Every per-thread shared-memory access in the source (element reads and writes, vector casts such as
+`*(float2*)(((float*)X_sh) + i)`, the address operand of ldmatrix / stmatrix and of cp.async) is evaluated for
+each warp of the CTA and each value of its enclosing loop variables (a loop of more than 64 steps is sampled;
+one whose bounds are runtime values takes 4 steps), under the `if` guards that depend only on the thread and
+loop indices (a guard on a runtime value is taken as true). A request's shared-memory wavefronts are counted as
+the hardware serves it: a warp's 32-bit (or narrower) accesses in one phase, 64-bit accesses in two half-warp
+phases, 128-bit accesses (ldmatrix rows included) in four quarter-warp phases; in each phase the wavefronts are
+the most distinct 4-byte words any one of the 32 banks holds (one word read by many threads is a broadcast).
+The ideal is one wavefront per phase that has an active thread. Runtime values inside an index (a stage, a
+head) are taken as 0: a uniform offset moves every thread's bank alike.
+
+TMA, wgmma operands and library templates read shared memory outside the per-thread code and are not seen.
+Prints, per access, the source line, the buffer, load or store, the width, the wavefronts per request against
+the ideal, and the excess weighted by the loop trip counts; a request at 8 against 1 is an 8-way conflict.
+The Nsight Compute counterpart is l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_{ld,st} (docs/kernels.md).
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import re
+from dataclasses import dataclass
+
+WIDTHS = {
+    "char": 1, "uchar": 1, "signed char": 1, "int8_t": 1, "uint8_t": 1, "fp8_e4_t": 1, "fp8_e5_t": 1,
+    "half_t": 2, "bfloat16_t": 2, "half": 2, "short": 2, "ushort": 2, "int16_t": 2, "uint16_t": 2,
+    "float": 4, "int": 4, "uint": 4, "unsigned": 4, "int32_t": 4, "uint32_t": 4, "uint1": 4, "int1": 4,
+    "half2": 4, "bfloat162": 4, "__nv_bfloat162": 4, "float1": 4, "char4": 4, "uchar4": 4,
+    "float2": 8, "uint2": 8, "int2": 8, "int64_t": 8, "uint64_t": 8, "double": 8, "longlong": 8,
+    "float4": 16, "uint4": 16, "int4": 16, "longlong2": 16, "double2": 16,
+}
+BANKS = 32
+MAX_STEPS = 64  # a loop longer than this is sampled at evenly spaced steps
+DYNAMIC_STEPS = 4  # steps taken of a loop whose bounds are runtime values
+MAX_COMBOS = 512  # loop-variable combinations evaluated per access
+
+
+class Unknown(Exception):
+    """A name with no value here (a runtime argument, a register): the guard that reads it is taken as true."""
+
+
+class IndexNames(dict):
+    """Names for an index expression: unknown ones are 0 (a uniform offset)."""
+
+    def __missing__(self, key):
+        return 0
+
+
+INDEX_FUNCTIONS = {"min": min, "max": max}
+
+
+class GuardNames(dict):
+    def __missing__(self, key):
+        raise Unknown(key)
+
+
+def to_python(expr: str) -> str:
+    """A C integer expression as Python: casts dropped, logical operators spelled out, threadIdx.x as `tx`."""
+    expr = expr.replace("((int)threadIdx.x)", "tx").replace("threadIdx.x", "tx")
+    expr = re.sub(r"\(\s*(?:const\s+)?(?:unsigned\s+)?(?:int64_t|int|uint|uint32_t|int32_t|long|bool)\s*\)", "", expr)
+    expr = re.sub(r"(\d+)[uU]?[lL]*\b", r"\1", expr)
+    expr = expr.replace("&&", " and ").replace("||", " or ")
+    expr = re.sub(r"!(?!=)", " not ", expr)
+    expr = re.sub(r"\b(\w+)\.(\w+)\b", r"\1_\2", expr)  # blockIdx.x -> blockIdx_x: an unknown name
+    expr = expr.replace("/", "//")  # C integer division; indices are non-negative
+    return expr
+
+
+def balanced(text: str, start: int, open_ch: str, close_ch: str) -> int:
+    """Index of the bracket closing the one at text[start]."""
+    depth = 0
+    for i in range(start, len(text)):
+        if text[i] == open_ch:
+            depth += 1
+        elif text[i] == close_ch:
+            depth -= 1
+            if depth == 0:
+                return i
+    raise ValueError(f"unbalanced {open_ch!r} at {start}")
+
+
+@dataclass
+class Frame:
+    loop: tuple | None = None  # (variable, values, trip count)
+    guard: str | None = None  # a Python condition
+
+
+@dataclass
+class Access:
+    line: int
+    buffer: str
+    store: bool
+    width: int
+    index: str  # Python expression of the element index
+    element: int  # bytes per element of the index
+    base: int  # the buffer's byte offset in dynamic shared memory
+    frames: list  # the enclosing frames
+    text: str
+    guard: str | None = None  # a one-line `if (...) stmt;` guard
+
+
+@dataclass
+class Result:
+    access: Access
+    requests: int = 0
+    wavefronts: int = 0
+    ideal: int = 0
+    weight: float = 0.0  # requests per CTA this sample stands for, over the sampled requests
+
+    @property
+    def ways(self) -> float:
+        return self.wavefronts / self.ideal if self.ideal else 0.0
+
+    @property
+    def excess(self) -> float:
+        return (self.wavefronts - self.ideal) * self.weight
+
+
+def loop_values(start: str, end: str, step: int, names: dict) -> tuple[list[int], float]:
+    try:
+        lo = eval(to_python(start), {}, GuardNames(names))
+        hi = eval(to_python(end), {}, GuardNames(names))
+    except (Unknown, SyntaxError, NameError, TypeError, ZeroDivisionError):
+        return list(range(DYNAMIC_STEPS)), float(DYNAMIC_STEPS)
+    values = list(range(lo, hi, step))
+    if len(values) > MAX_STEPS:
+        stride = len(values) / MAX_STEPS
+        return [values[int(i * stride)] for i in range(MAX_STEPS)], float(len(values))
+    return values, float(len(values))
+
+
+FOR = re.compile(r"^for \((?:int|int64_t|unsigned) (\w+) = (.+?); \1 < (.+?); (?:\+\+\1|\1 \+= (\d+)|\1 = \(\1 \+ (\d+)\))\) \{$")
+
+
+def shared_buffers(source: str) -> dict[str, int]:
+    buffers = {"buf_dyn_shmem": 0}
+    for name, offset in re.findall(r"void\* (\w+) = \(\(void\*\)\(\(char\*\)buf_dyn_shmem \+ (\d+)\)\)", source):
+        buffers[name] = int(offset)
+    for name in re.findall(r"__shared__ [\w:]+ (?:__align__\(\d+\) )?(\w+)\[", source):
+        buffers.setdefault(name, 0)
+    return buffers
+
+
+def launch_threads(source: str) -> int:
+    found = re.findall(r"__launch_bounds__\((\d+)", source)
+    return int(found[0]) if found else 128
+
+
+def accesses_in_line(number: int, line: str, buffers: dict, frames: list, guard: str | None) -> list[Access]:
+    found = []
+    names = "|".join(re.escape(b) for b in buffers)
+    for match in re.finditer(r"\(\(([\w:]+)\*\)(" + names + r")\)", line):
+        element_type, buffer = match.group(1), match.group(2)
+        element = WIDTHS.get(element_type.split("::")[-1])
+        if element is None:
+            continue
+        after = match.end()
+        before = line[:match.start()]
+        if line[after:after + 1] == "[":  # ((T*)buf)[index]
+            close = balanced(line, after, "[", "]")
+            index = line[after + 1:close]
+            width = element
+            end = close + 1
+            outer = before.rstrip()
+            if outer.endswith("(&("):  # an address handed to a function
+                head = before[:len(before) - 3]
+                callee = re.search(r"([\w:]+)(?:<([^>]*)>)?\($", head)
+                if callee is None:
+                    continue
+                name = callee.group(1)
+                if "ldmatrix" in name or "stmatrix" in name:
+                    width, store = 16, "stmatrix" in name
+                elif "cp_async" in name:
+                    size = re.match(r"\d+", callee.group(2) or "16")
+                    width, store = int(size.group(0)), True
+                else:
+                    continue  # TMA, mbarriers, library templates: not per-thread LSU traffic
+                found.append(Access(number, buffer, store, width, to_python(index), element, buffers[buffer],
+                                    list(frames), line.strip(), guard))
+                continue
+        elif line[after:after + 3] == " + " and before.endswith("("):  # *(V*)(((T*)buf) + index)
+            close = balanced(line, len(before) - 1, "(", ")")
+            index = line[after + 3:close]
+            cast = re.search(r"\*\(([\w:]+)\*\)$", before[:-1])
+            if cast is None:
+                continue
+            width = WIDTHS.get(cast.group(1).split("::")[-1])
+            if width is None:
+                continue
+            end = close + 1
+        else:
+            continue
+        store = re.match(r"\s*=(?!=)", line[end:]) is not None
+        found.append(Access(number, buffer, store, width, to_python(index), element, buffers[buffer], list(frames),
+                            line.strip(), guard))
+    return found
+
+
+def collect(source: str) -> list[Access]:
+    buffers = shared_buffers(source)
+    frames: list[Frame] = []
+    accesses = []
+    for number, raw in enumerate(source.splitlines(), 1):
+        line = raw.strip()
+        if not line or line.startswith("#") or line.startswith("//"):
+            continue
+        guard = None
+        opens = 0
+        if line.startswith("} else"):
+            closed = frames.pop() if frames else Frame()
+            previous = closed.guard if closed.guard is not None else "True"
+            rest = line[len("} else"):].strip()
+            if rest == "{":
+                frames.append(Frame(guard=f"not ({previous})"))
+                continue
+            if rest.startswith("if ("):
+                close = balanced(rest, 3, "(", ")")
+                frames.append(Frame(guard=f"(not ({previous})) and ({to_python(rest[4:close])})"))
+                continue
+        loop = FOR.match(line)
+        if loop:
+            names = {}
+            values, trips = loop_values(loop.group(2), loop.group(3), int(loop.group(4) or loop.group(5) or 1), names)
+            frames.append(Frame(loop=(loop.group(1), values, trips)))
+            continue
+        if line.startswith("if ("):
+            close = balanced(line, 3, "(", ")")
+            condition = to_python(line[4:close])
+            rest = line[close + 1:].strip()
+            if rest == "{":
+                frames.append(Frame(guard=condition))
+                continue
+            guard, line = condition, rest  # `if (c) statement;`
+        if line.endswith("{") and not line.startswith("}"):
+            opens = 1
+        accesses.extend(accesses_in_line(number, line, buffers, frames, guard))
+        if opens:
+            frames.append(Frame())
+        closes = line.count("}") - line.count("{") + opens
+        for _ in range(max(closes, 0)):
+            if frames:
+                frames.pop()
+    return accesses
+
+
+def guard_holds(condition: str | None, names: dict) -> bool:
+    if condition is None:
+        return True
+    try:
+        return bool(eval(condition, {}, GuardNames(names)))
+    except (Unknown, SyntaxError, NameError, TypeError, ZeroDivisionError):
+        return True
+
+
+def request_wavefronts(addresses: list[int], width: int) -> tuple[int, int]:
+    """Wavefronts and ideal wavefronts of one warp-wide request; `addresses` holds the active lanes' byte
+    addresses in lane order (None for an inactive lane)."""
+    per_phase = 32 if width <= 4 else 32 * 4 // width
+    wavefronts = ideal = 0
+    for phase in range(0, 32, per_phase):
+        words = set()
+        for address in addresses[phase:phase + per_phase]:
+            if address is None:
+                continue
+            first, last = address // 4, (address + width - 1) // 4
+            words.update(range(first, last + 1))
+        if not words:
+            continue
+        per_bank: dict[int, int] = {}
+        for word in words:
+            per_bank[word % BANKS] = per_bank.get(word % BANKS, 0) + 1
+        wavefronts += max(per_bank.values())
+        ideal += max(1, -(-len(words) * 4 // 128))
+    return wavefronts, ideal
+
+
+def analyse(access: Access, threads: int) -> Result:
+    result = Result(access)
+    loops = [f.loop for f in access.frames if f.loop is not None]
+    guards = [f.guard for f in access.frames if f.guard is not None] + ([access.guard] if access.guard else [])
+    trips = 1.0
+    for _, _, count in loops:
+        trips *= count
+    combos = list(itertools.product(*[values for _, values, _ in loops]))
+    if len(combos) > MAX_COMBOS:
+        step = len(combos) / MAX_COMBOS
+        combos = [combos[int(i * step)] for i in range(MAX_COMBOS)]
+    sampled = 0
+    for combo in combos:
+        names = {var: value for (var, _, _), value in zip(loops, combo)}
+        for warp in range(threads // 32):
+            addresses = []
+            for lane in range(32):
+                names["tx"] = warp * 32 + lane
+                if all(guard_holds(g, names) for g in guards):
+                    try:
+                        index = eval(access.index, INDEX_FUNCTIONS, IndexNames(names))
+                    except (TypeError, SyntaxError, ZeroDivisionError):
+                        return result  # an index this reader cannot evaluate: reported as not analysed
+                    addresses.append(access.base + index * access.element)
+                else:
+                    addresses.append(None)
+            if all(a is None for a in addresses):
+                continue
+            wavefronts, ideal = request_wavefronts(addresses, access.width)
+            result.requests += 1
+            result.wavefronts += wavefronts
+            result.ideal += ideal
+        sampled += 1
+    if sampled:
+        result.weight = trips / sampled
+    return result
+
+
+def report(path: str, top: int, show_all: bool) -> list[Result]:
+    source = open(path).read()
+    threads = launch_threads(source)
+    results = [analyse(a, threads) for a in collect(source)]
+    results = [r for r in results if r.requests]
+    total = sum(r.wavefronts * r.weight for r in results)
+    excess = sum(r.excess for r in results)
+    print(f"{path}: {threads} threads, {len(results)} shared accesses; wavefronts per CTA (loops as sampled) "
+          f"{total:.0f}, of which excess {excess:.0f} ({100 * excess / total if total else 0:.1f}%)")
+    ranked = sorted(results, key=lambda r: -r.excess)
+    shown = ranked if show_all else [r for r in ranked if r.wavefronts > r.ideal][:top]
+    for r in shown:
+        a = r.access
+        print(f"  line {a.line:5d} {a.buffer:>10s} {'st' if a.store else 'ld'} {a.width:2d}B "
+              f"{r.wavefronts / r.requests:5.2f} / {r.ideal / r.requests:4.2f} wavefronts a request "
+              f"({r.ways:4.1f}-way), excess {r.excess:9.0f}  {a.text[:110]}")
+    return results
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("sources", nargs="+", help="CUDA sources written by kernel_resources.py --source")
+    ap.add_argument("--top", type=int, default=20, help="how many conflicting accesses to print")
+    ap.add_argument("--all", action="store_true", help="print every access, conflicting or not")
+    args = ap.parse_args(argv)
+    for path in args.sources:
+        report(path, args.top, args.all)
+
+
+if __name__ == "__main__":
+    main()
