@@ -26,6 +26,8 @@ import itertools
 import re
 from dataclasses import dataclass
 
+import numpy as np
+
 WIDTHS = {
     "char": 1, "uchar": 1, "signed char": 1, "int8_t": 1, "uint8_t": 1, "fp8_e4_t": 1, "fp8_e5_t": 1,
     "half_t": 2, "bfloat16_t": 2, "half": 2, "short": 2, "ushort": 2, "int16_t": 2, "uint16_t": 2,
@@ -44,28 +46,31 @@ class Unknown(Exception):
     """A name with no value here (a runtime argument, a register): the guard that reads it is taken as true."""
 
 
+FUNCTIONS = {"min": np.minimum, "max": np.maximum, "_not": np.logical_not}
+
+
 class IndexNames(dict):
     """Names for an index expression: unknown ones are 0 (a uniform offset)."""
 
     def __missing__(self, key):
-        return 0
-
-
-INDEX_FUNCTIONS = {"min": min, "max": max}
+        return FUNCTIONS.get(key, 0)  # eval looks a name up here before the globals
 
 
 class GuardNames(dict):
     def __missing__(self, key):
+        if key in FUNCTIONS:
+            return FUNCTIONS[key]
         raise Unknown(key)
 
 
 def to_python(expr: str) -> str:
-    """A C integer expression as Python: casts dropped, logical operators spelled out, threadIdx.x as `tx`."""
+    """A C integer expression as Python over numpy arrays: casts dropped, logical operators elementwise,
+    threadIdx.x as `tx`."""
     expr = expr.replace("((int)threadIdx.x)", "tx").replace("threadIdx.x", "tx")
     expr = re.sub(r"\(\s*(?:const\s+)?(?:unsigned\s+)?(?:int64_t|int|uint|uint32_t|int32_t|long|bool)\s*\)", "", expr)
     expr = re.sub(r"(\d+)[uU]?[lL]*\b", r"\1", expr)
-    expr = expr.replace("&&", " and ").replace("||", " or ")
-    expr = re.sub(r"!(?!=)", " not ", expr)
+    expr = expr.replace("&&", " & ").replace("||", " | ")  # TileLang parenthesises every operand
+    expr = re.sub(r"!(?!=)", "_not", expr)
     expr = re.sub(r"\b(\w+)\.(\w+)\b", r"\1_\2", expr)  # blockIdx.x -> blockIdx_x: an unknown name
     expr = expr.replace("/", "//")  # C integer division; indices are non-negative
     return expr
@@ -216,11 +221,11 @@ def collect(source: str) -> list[Access]:
             previous = closed.guard if closed.guard is not None else "True"
             rest = line[len("} else"):].strip()
             if rest == "{":
-                frames.append(Frame(guard=f"not ({previous})"))
+                frames.append(Frame(guard=f"_not({previous})"))
                 continue
             if rest.startswith("if ("):
                 close = balanced(rest, 3, "(", ")")
-                frames.append(Frame(guard=f"(not ({previous})) and ({to_python(rest[4:close])})"))
+                frames.append(Frame(guard=f"(_not({previous})) & ({to_python(rest[4:close])})"))
                 continue
         loop = FOR.match(line)
         if loop:
@@ -248,38 +253,48 @@ def collect(source: str) -> list[Access]:
     return accesses
 
 
-def guard_holds(condition: str | None, names: dict) -> bool:
-    if condition is None:
-        return True
+def request_wavefronts(addresses: list, width: int) -> tuple[int, int]:
+    """Wavefronts and ideal wavefronts of one warp-wide request: `addresses` holds the 32 lanes' byte addresses
+    (None for an inactive lane)."""
+    active = np.array([a is not None for a in addresses])
+    flat = np.array([a if a is not None else 0 for a in addresses], dtype=np.int64)
+    wavefronts, ideal, _ = warp_wavefronts(flat[None, :], active[None, :], width)
+    return int(wavefronts), int(ideal)
+
+
+def warp_wavefronts(addresses: np.ndarray, active: np.ndarray, width: int) -> tuple[int, int, int]:
+    """Wavefronts, ideal wavefronts and requests of the warp-wide requests in `addresses` / `active`, both
+    [samples, threads] (threads a multiple of 32)."""
+    samples, threads = addresses.shape
+    words_per_lane = max(1, width // 4)
+    lanes_per_phase = 32 if width <= 4 else 128 // width
+    words = addresses[..., None] // 4 + np.arange(words_per_lane)  # [samples, threads, words per lane]
+    words = np.where(active[..., None], words, -1)
+    groups = words.reshape(samples * threads // lanes_per_phase, lanes_per_phase * words_per_lane)
+    groups = np.sort(groups, axis=1)
+    distinct = groups >= 0
+    distinct[:, 1:] &= groups[:, 1:] != groups[:, :-1]  # one word read by many lanes is one access (a broadcast)
+    per_bank = ((groups[..., None] % BANKS == np.arange(BANKS)) & distinct[..., None]).sum(axis=1)
+    wavefronts = per_bank.max(axis=1)
+    ideal = -(-distinct.sum(axis=1) * 4 // 128)
+    requests = active.reshape(samples, threads // 32, 32).any(axis=2).sum()
+    return int(wavefronts.sum()), int(ideal.sum()), int(requests)
+
+
+def evaluate(expr: str, names: dict, guard: bool):
     try:
-        return bool(eval(condition, {}, GuardNames(names)))
-    except (Unknown, SyntaxError, NameError, TypeError, ZeroDivisionError):
+        return eval(expr, {}, GuardNames(names) if guard else IndexNames(names))
+    except Unknown:
         return True
-
-
-def request_wavefronts(addresses: list[int], width: int) -> tuple[int, int]:
-    """Wavefronts and ideal wavefronts of one warp-wide request; `addresses` holds the active lanes' byte
-    addresses in lane order (None for an inactive lane)."""
-    per_phase = 32 if width <= 4 else 32 * 4 // width
-    wavefronts = ideal = 0
-    for phase in range(0, 32, per_phase):
-        words = set()
-        for address in addresses[phase:phase + per_phase]:
-            if address is None:
-                continue
-            first, last = address // 4, (address + width - 1) // 4
-            words.update(range(first, last + 1))
-        if not words:
-            continue
-        per_bank: dict[int, int] = {}
-        for word in words:
-            per_bank[word % BANKS] = per_bank.get(word % BANKS, 0) + 1
-        wavefronts += max(per_bank.values())
-        ideal += max(1, -(-len(words) * 4 // 128))
-    return wavefronts, ideal
+    except (TypeError, SyntaxError, ZeroDivisionError, NameError, ValueError):
+        if guard:
+            return True  # a guard this reader cannot evaluate is taken as true
+        raise
 
 
 def analyse(access: Access, threads: int) -> Result:
+    """Every sampled loop step of `access` at once: loop variables are [samples, 1] arrays, the thread index a
+    [1, threads] array."""
     result = Result(access)
     loops = [f.loop for f in access.frames if f.loop is not None]
     guards = [f.guard for f in access.frames if f.guard is not None] + ([access.guard] if access.guard else [])
@@ -290,50 +305,54 @@ def analyse(access: Access, threads: int) -> Result:
     if len(combos) > MAX_COMBOS:
         step = len(combos) / MAX_COMBOS
         combos = [combos[int(i * step)] for i in range(MAX_COMBOS)]
-    sampled = 0
-    for combo in combos:
-        names = {var: value for (var, _, _), value in zip(loops, combo)}
-        for warp in range(threads // 32):
-            addresses = []
-            for lane in range(32):
-                names["tx"] = warp * 32 + lane
-                if all(guard_holds(g, names) for g in guards):
-                    try:
-                        index = eval(access.index, INDEX_FUNCTIONS, IndexNames(names))
-                    except (TypeError, SyntaxError, ZeroDivisionError):
-                        return result  # an index this reader cannot evaluate: reported as not analysed
-                    addresses.append(access.base + index * access.element)
-                else:
-                    addresses.append(None)
-            if all(a is None for a in addresses):
-                continue
-            wavefronts, ideal = request_wavefronts(addresses, access.width)
-            result.requests += 1
-            result.wavefronts += wavefronts
-            result.ideal += ideal
-        sampled += 1
-    if sampled:
-        result.weight = trips / sampled
+    table = np.array(combos, dtype=np.int64).reshape(len(combos), len(loops))
+    names = {var: table[:, i:i + 1] for i, (var, _, _) in enumerate(loops)}
+    names["tx"] = np.arange(threads, dtype=np.int64)[None, :]
+    shape = (len(combos), threads)
+    active = np.ones(shape, dtype=bool)
+    for guard in guards:
+        active &= np.broadcast_to(np.asarray(evaluate(guard, names, True), dtype=bool), shape)
+    try:
+        index = evaluate(access.index, names, False)
+    except (TypeError, SyntaxError, ZeroDivisionError, NameError, ValueError):
+        return result  # an index this reader cannot evaluate: reported as not analysed
+    addresses = access.base + np.broadcast_to(np.asarray(index, dtype=np.int64), shape) * access.element
+    result.wavefronts, result.ideal, result.requests = warp_wavefronts(addresses, active, access.width)
+    result.weight = trips / len(combos)
     return result
+
+
+def shared_accesses(source: str) -> list[Result]:
+    """Every per-thread shared-memory access of a generated CUDA source that some warp makes, analysed."""
+    threads = launch_threads(source)
+    return [r for r in (analyse(a, threads) for a in collect(source)) if r.requests]
+
+
+def excess_fraction(results: list[Result]) -> float:
+    """Excess wavefronts over all wavefronts of a CTA (loops as sampled)."""
+    total = sum(r.wavefronts * r.weight for r in results)
+    return sum(r.excess for r in results) / total if total else 0.0
 
 
 def report(path: str, top: int, show_all: bool) -> list[Result]:
     source = open(path).read()
-    threads = launch_threads(source)
-    results = [analyse(a, threads) for a in collect(source)]
-    results = [r for r in results if r.requests]
+    results = shared_accesses(source)
     total = sum(r.wavefronts * r.weight for r in results)
     excess = sum(r.excess for r in results)
-    print(f"{path}: {threads} threads, {len(results)} shared accesses; wavefronts per CTA (loops as sampled) "
-          f"{total:.0f}, of which excess {excess:.0f} ({100 * excess / total if total else 0:.1f}%)")
+    print(f"{path}: {launch_threads(source)} threads, {len(results)} shared accesses; wavefronts per CTA (loops as "
+          f"sampled) {total:.0f}, of which excess {excess:.0f} ({100 * excess_fraction(results):.1f}%)")
     ranked = sorted(results, key=lambda r: -r.excess)
     shown = ranked if show_all else [r for r in ranked if r.wavefronts > r.ideal][:top]
     for r in shown:
-        a = r.access
-        print(f"  line {a.line:5d} {a.buffer:>10s} {'st' if a.store else 'ld'} {a.width:2d}B "
-              f"{r.wavefronts / r.requests:5.2f} / {r.ideal / r.requests:4.2f} wavefronts a request "
-              f"({r.ways:4.1f}-way), excess {r.excess:9.0f}  {a.text[:110]}")
+        print(describe(r))
     return results
+
+
+def describe(r: Result) -> str:
+    a = r.access
+    return (f"  line {a.line:5d} {a.buffer:>10s} {'st' if a.store else 'ld'} {a.width:2d}B "
+            f"{r.wavefronts / r.requests:5.2f} / {r.ideal / r.requests:4.2f} wavefronts a request "
+            f"({r.ways:4.1f}-way), excess {r.excess:9.0f}  {a.text[:110]}")
 
 
 def main(argv=None):
