@@ -14,7 +14,9 @@ the most distinct 4-byte words any one of the 32 banks holds (one word read by m
 The ideal is one wavefront per phase that has an active thread. Runtime values inside an index (a stage, a
 head) are taken as 0: a uniform offset moves every thread's bank alike.
 
-TMA, wgmma operands and library templates read shared memory outside the per-thread code and are not seen.
+TMA, wgmma operands and library templates read shared memory outside the per-thread code and are not seen. It
+reads the source, not the SASS: where nvcc merges neighbouring scalar loads into a wider one (wy_inverse's SASS has
+70 LDS.128 and 144 LDS) its totals overcount; the conflicts it names stay.
 Prints, per access, the source line, the buffer, load or store, the width, the wavefronts per request against
 the ideal, and the excess weighted by the loop trip counts; a request at 8 against 1 is an 8-way conflict.
 The Nsight Compute counterpart is l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_{ld,st} (docs/kernels.md).
