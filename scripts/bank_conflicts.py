@@ -128,10 +128,11 @@ class Result:
         return (self.wavefronts - self.ideal) * self.weight
 
 
-def loop_values(start: str, end: str, step: int, names: dict) -> tuple[list[int], float]:
+def loop_values(start: str, end: str, step: int) -> tuple[list[int], float]:
+    """The sampled values of a loop variable and the loop's trip count (bounds on runtime values: DYNAMIC_STEPS)."""
     try:
-        lo = eval(to_python(start), {}, GuardNames(names))
-        hi = eval(to_python(end), {}, GuardNames(names))
+        lo = eval(to_python(start), {}, GuardNames())
+        hi = eval(to_python(end), {}, GuardNames())
     except (Unknown, SyntaxError, NameError, TypeError, ZeroDivisionError):
         return list(range(DYNAMIC_STEPS)), float(DYNAMIC_STEPS)
     values = list(range(lo, hi, step))
@@ -161,6 +162,11 @@ def launch_threads(source: str) -> int:
 def accesses_in_line(number: int, line: str, buffers: dict, frames: list, guard: str | None) -> list[Access]:
     found = []
     names = "|".join(re.escape(b) for b in buffers)
+
+    def add(buffer, store, width, index, element):
+        found.append(Access(number, buffer, store, width, to_python(index), element, buffers[buffer], list(frames),
+                            line.strip(), guard))
+
     for match in re.finditer(r"\(\(([\w:]+)\*\)(" + names + r")\)", line):
         element_type, buffer = match.group(1), match.group(2)
         element = WIDTHS.get(element_type.split("::")[-1])
@@ -173,10 +179,8 @@ def accesses_in_line(number: int, line: str, buffers: dict, frames: list, guard:
             index = line[after + 1:close]
             width = element
             end = close + 1
-            outer = before.rstrip()
-            if outer.endswith("(&("):  # an address handed to a function
-                head = before[:len(before) - 3]
-                callee = re.search(r"([\w:]+)(?:<([^>]*)>)?\($", head)
+            if before.endswith("(&("):  # an address handed to a function
+                callee = re.search(r"([\w:]+)(?:<([^>]*)>)?\($", before[:-3])
                 if callee is None:
                     continue
                 name = callee.group(1)
@@ -187,8 +191,7 @@ def accesses_in_line(number: int, line: str, buffers: dict, frames: list, guard:
                     width, store = int(size.group(0)), True
                 else:
                     continue  # TMA, mbarriers, library templates: not per-thread LSU traffic
-                found.append(Access(number, buffer, store, width, to_python(index), element, buffers[buffer],
-                                    list(frames), line.strip(), guard))
+                add(buffer, store, width, index, element)
                 continue
         elif line[after:after + 3] == " + " and before.endswith("("):  # *(V*)(((T*)buf) + index)
             close = balanced(line, len(before) - 1, "(", ")")
@@ -202,9 +205,7 @@ def accesses_in_line(number: int, line: str, buffers: dict, frames: list, guard:
             end = close + 1
         else:
             continue
-        store = re.match(r"\s*=(?!=)", line[end:]) is not None
-        found.append(Access(number, buffer, store, width, to_python(index), element, buffers[buffer], list(frames),
-                            line.strip(), guard))
+        add(buffer, re.match(r"\s*=(?!=)", line[end:]) is not None, width, index, element)
     return found
 
 
@@ -231,8 +232,7 @@ def collect(source: str) -> list[Access]:
                 continue
         loop = FOR.match(line)
         if loop:
-            names = {}
-            values, trips = loop_values(loop.group(2), loop.group(3), int(loop.group(4) or loop.group(5) or 1), names)
+            values, trips = loop_values(loop.group(2), loop.group(3), int(loop.group(4) or loop.group(5) or 1))
             frames.append(Frame(loop=(loop.group(1), values, trips)))
             continue
         if line.startswith("if ("):
