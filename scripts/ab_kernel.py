@@ -169,7 +169,13 @@ def ab(kernel, build_args, variants, configs, make_inputs, intra_cp="off", reps=
             log(f"({Hqk}, {Hv}) {lengths[0]} x {len(lengths)}: starting (ends the process after {hang_seconds} s)")
             faulthandler.dump_traceback_later(hang_seconds, exit=True)
         inputs = make_inputs(Hqk, Hv, lengths)
-        committed, args = record_launch(kernel, build_args, lambda: public_op_step(inputs, intra_cp), launch_index)
+        try:
+            committed, args = record_launch(kernel, build_args, lambda: public_op_step(inputs, intra_cp), launch_index)
+        except RuntimeError as error:
+            if intra_cp != "off":
+                raise
+            raise RuntimeError(f"{error}; with --intra-cp off the public op launches no segment summaries, gates or "
+                               "chain (try --intra-cp auto)") from error
         reference = reference_of(committed, args)  # before the timed runs below write into `args`
         committed_us = graph_time_us(lambda: committed(*args), reps) if torch.cuda.is_available() else None
         for name, variant in variants.items():

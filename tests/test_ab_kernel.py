@@ -70,6 +70,12 @@ def test_a_launch_the_call_never_makes_is_an_error(emulated):
             cpu_inputs(2, 4, [64]), "off"))
 
 
+def test_a_missing_launch_with_intra_cp_off_points_at_intra_cp(emulated):
+    # the summary walks (chunk_states) run only under intra-card CP, which ab_kernel's default leaves off
+    with pytest.raises(RuntimeError, match="try --intra-cp auto"):
+        ab_kernel.ab("chunk_states", ("bfloat16", 128), {}, [(2, 4, [64])], cpu_inputs, log=lambda line: None)
+
+
 def test_timed_runs_do_not_hide_the_outputs_from_the_comparison(emulated, monkeypatch):
     # on a GPU every kernel is timed on the recorded arguments themselves; the comparison must still see
     # what the committed kernel writes (a timer that runs each kernel once stands in for CUDA graphs)
