@@ -89,9 +89,10 @@ def build_chunk_states(dtype: str, block_v: int):
         # too: unclamped it may be -1 (n_rows = 0), which TileLang answered with partial barriers in one pipeline
         # stage, and racecheck found 4000 RAW hazards in the S* walks (46th session); clamped, none.
         for r in T.Parallel(C):
-            gc_sh[r] = graw_s[T.max(T.min(r, n_rows - 1), 0)] * LOG2E
-            bg_sh[r] = T.if_then_else(r < n_rows, b_s[T.max(T.min(r, n_rows - 1), 0)], 0.0)
-            gam_sh[r] = T.exp2(graw_s[T.max(T.min(r, n_rows - 1), 0)] * LOG2E)
+            row = T.max(T.min(r, n_rows - 1), 0)
+            gc_sh[r] = graw_s[row] * LOG2E
+            bg_sh[r] = T.if_then_else(r < n_rows, b_s[row], 0.0)
+            gam_sh[r] = T.exp2(graw_s[row] * LOG2E)
         if store_chunks != 0:
             T.copy(S_sh, h_out[chunk_index, h, 0:D, v0:v0 + BV])
 
