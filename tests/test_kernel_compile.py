@@ -163,18 +163,15 @@ def test_serialisation_check_sees_a_product_in_flight_across_the_back_edge():
 
 
 def test_segment_chain_tiles_fill_one_wave_then_widen():
-    for reverse in (False, True):
-        chosen = {launch.chain_block_v(chains, 132, reverse) for chains in (1, 8, 16, 24, 32, 64, 512)}
-        assert chosen <= set(launch.CHAIN_BLOCK_V_CHOICES)
-        assert launch.chain_block_v(4, 132, reverse) == 4  # one sequence of 4 v-heads: 4 x 32 tiles, one wave
-        assert launch.chain_block_v(8, 132, reverse) == 8  # TP8, one sequence: 8 heads x 16 tiles, one wave
-        assert launch.chain_block_v(32, 132, reverse) == 16  # 32 x 16 tiles: four waves at 8
-        assert launch.chain_block_v(512, 132, reverse) == 16
-    # the forward chain stays at 8 up to three waves (a step at 16 costs 2-3x one at 8), the mirror scan widens
-    assert launch.chain_block_v(16, 132) == 8  # TP4, one sequence: 16 x 16 tiles, two waves
-    assert launch.chain_block_v(24, 132) == 8  # 27B: 24 x 16 tiles, three waves
-    assert launch.chain_block_v(16, 132, reverse=True) == 16
-    assert launch.chain_block_v(24, 132, reverse=True) == 16
+    chosen = {launch.chain_block_v(chains, sm_count=132) for chains in (1, 8, 16, 24, 32, 64, 512)}
+    assert chosen <= set(launch.CHAIN_BLOCK_V_CHOICES)
+    assert launch.chain_block_v(4, sm_count=132) == 4  # one sequence of 4 v-heads: 4 x 32 tiles, one wave
+    assert launch.chain_block_v(8, sm_count=132) == 8  # TP8, one sequence: 8 heads x 16 tiles, one wave
+    # 8 up to three waves (a step at 16 costs 2-3x one at 8), then 16
+    assert launch.chain_block_v(16, sm_count=132) == 8  # TP4, one sequence: 16 x 16 tiles, two waves
+    assert launch.chain_block_v(24, sm_count=132) == 8  # 27B: 24 x 16 tiles, three waves
+    assert launch.chain_block_v(32, sm_count=132) == 16  # h32: four waves at 8
+    assert launch.chain_block_v(512, sm_count=132) == 16
 
 
 @pytest.mark.parametrize("module,builder", [("fused_fwd", "build_fused_fwd"), ("chunk_dstates", "build_chunk_dstates")])

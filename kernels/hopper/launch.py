@@ -25,18 +25,15 @@ MIN_CTAS_PER_SM = 0.7
 # summary tiles of 32 at TP8 32K 0.465 -> 0.431 ms, h32 1.361 -> 1.229; at 512 walks 64 beats 32.
 SUMMARY_MAX_CTAS_PER_SM = 8
 
-# The segment chain's V tiles (one CTA each, one CTA per SM by shared memory). Reverse (the backward's mirror
-# scan): the narrowest whose chains fit in one wave, else 16. H200, 2026-12-01 (docs/kernels.md, "Fifteenth
-# session"): 16 steps x 8 heads, all exact, 69 -> 44 us at 8 (16 CTAs per head); 4 rows x 32 heads 33 us at 16,
-# 43 at 8. 4 columns (one sequence of 4 v-heads, 128 CTAs), H100, 2026-12-05 ("Forty-second session"): public
-# op fwd+bwd 1-2% faster than at 8 ((2, 4) x 8K 277.7 -> 272.3 us, x 32K 670.2 -> 657.0).
-# Forward: 4 within one wave, else 8 up to CHAIN_MAX_WAVES_AT_8 waves, else 16. Since the chain's k loop is
-# unrolled at 8 and not at 16 (segment_chain.py), a step at 16 costs 2-3x one at 8, so two or three waves at 8
-# beat one at 16. H100, 2026-12-06 ("Forty-ninth session"), public op forward with AutoCP, 16 chains: TP4 1 x 32K
-# 452.5 -> 421.6 us, (8, 16) 1 x 32K 469.6 -> 440.0, (2, 8) 24K + 8K 278.3 -> 259.0, 2B (16, 16) 488.7 -> 460.9;
-# 24 chains (27B, (8, 24)) 672.3 -> 659.3; at 32 chains (h32, (4, 8) 8K x 4) level. The mirror scan, which runs
-# beside the backward's state recompute (its CTAs share the SMs), at 8 as well was mixed: fwd+bwd from 2% faster
-# to 5% slower, so it keeps the one-wave rule.
+# The segment chain's V tiles (one CTA each, one CTA per SM by shared memory): 4 within one wave, else 8 up to
+# CHAIN_MAX_WAVES_AT_8 waves, else 16. H200, 2026-12-01 (docs/kernels.md, "Fifteenth session"): 16 steps x 8
+# heads, all exact, 69 -> 44 us at 8 (16 CTAs per head). 4 columns (one sequence of 4 v-heads, 128 CTAs), H100,
+# 2026-12-05 ("Forty-second session"): public op fwd+bwd 1-2% faster than at 8 ((2, 4) x 8K 277.7 -> 272.3 us).
+# The product's k loop is unrolled at 8 and not at 16 (segment_chain.py), so a step at 16 costs 2-3x one at 8
+# and two or three waves at 8 beat one at 16; at four they tie. H100, 2026-12-06 ("Forty-ninth session"), 16
+# chains: public op forward with AutoCP, TP4 1 x 32K 448.9 -> 419.8 us, 2B (16, 16) 486.3 -> 460.6, (2, 8)
+# 24K + 8K 278.3 -> 258.1; 24 chains (27B, (8, 24)) 670.8 -> 659.1; the mirror scan at 8 as well, fwd+bwd
+# 0.3-1.8% faster on eight configs (it runs beside the backward's state recompute); h32 (32 chains) level.
 CHAIN_BLOCK_V_CHOICES = (4, 8, 16)
 CHAIN_MAX_WAVES_AT_8 = 3
 
@@ -379,15 +376,14 @@ def summaries(x: ChunkedCall, with_transition: bool, active=None):
     return S_star, M
 
 
-def chain_block_v(num_chains: int, sm_count: int, reverse: bool = False) -> int:
+def chain_block_v(num_chains: int, sm_count: int) -> int:
     """The segment chain's V tile for `num_chains` (sequence, v-head) chains (see CHAIN_BLOCK_V_CHOICES): the
-    narrowest whose CTAs fit in one wave; forward, 8 while its CTAs make at most CHAIN_MAX_WAVES_AT_8 waves;
-    else the widest."""
+    narrowest whose CTAs fit in one wave, else 8 while its CTAs make at most CHAIN_MAX_WAVES_AT_8 waves, else
+    the widest."""
     waves = lambda block_v: num_chains * (HEAD_DIM // block_v) / sm_count  # noqa: E731
-    narrowest, widest = CHAIN_BLOCK_V_CHOICES[0], CHAIN_BLOCK_V_CHOICES[-1]
-    if waves(narrowest) <= 1:
-        return narrowest
-    return 8 if waves(8) <= (1 if reverse else CHAIN_MAX_WAVES_AT_8) else widest
+    if waves(CHAIN_BLOCK_V_CHOICES[0]) <= 1:
+        return CHAIN_BLOCK_V_CHOICES[0]
+    return 8 if waves(8) <= CHAIN_MAX_WAVES_AT_8 else CHAIN_BLOCK_V_CHOICES[-1]
 
 
 def fold_segments(out, bias, mats, exact, first_rows, last_rows, reverse: bool, zero_start: bool = False,
@@ -402,7 +398,7 @@ def fold_segments(out, bias, mats, exact, first_rows, last_rows, reverse: bool, 
     rows, Hv = exact.shape
     flat = lambda t: t.view(rows * Hv, HEAD_DIM, HEAD_DIM)  # noqa: E731
     if block_v is None:
-        block_v = chain_block_v(first_rows.numel() * Hv, sm_count_on(out.device), reverse)
+        block_v = chain_block_v(first_rows.numel() * Hv, sm_count_on(out.device))
     compiled_segment_chain(block_v)(flat(out), flat(bias), flat(mats), exact.reshape(-1), first_rows, last_rows, Hv,
                                     int(reverse), int(zero_start))
     return out
