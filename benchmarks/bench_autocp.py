@@ -1,6 +1,6 @@
 """AutoCP calibration on one GPU: the public op at every segment length, forward and fwd+bwd.
 
-    python benchmarks/bench_autocp.py [--lengths off,32,64,128] [--reps 20] [--configs all|0,3]
+    python benchmarks/bench_autocp.py [--lengths off,auto,32,64,128] [--reps 20] [--configs all|0,3]
     python benchmarks/bench_autocp.py --sweep [--out tests/data/autocp_sweep_h200.txt]
 
 Per configuration and intra_cp: forward (CUDA-graph median), fwd+bwd eager and CUDA-graph medians, and the
@@ -26,7 +26,9 @@ from bench_gdn import CONFIGS as GDN_CONFIGS
 from bench_gdn import eager_median_ms, graph_median_ms, make_inputs, sequences_label
 
 CONFIGS = [(2, 8, [32768]), (2, 8, [16384]), (2, 8, [8192]), (4, 16, [32768]), (4, 16, [8192]), (8, 24, [32768]),
-           (16, 16, [32768]), (32, 32, [32768])]
+           (16, 16, [32768]), (32, 32, [32768]),
+           # training rows packed with documents: long ones cut into segments beside many short ones of one row each
+           (2, 8, [20480] + [512] * 24), (2, 8, [8192] * 2 + [1024] * 16), (4, 16, [16384] + [512] * 32)]
 
 
 SWEEP_LENGTHS = (0, 8, 16, 32, 64, 128)  # chunks, 0 = off
@@ -78,15 +80,16 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sweep", action="store_true", help="the planner's calibration sweep (see above)")
     ap.add_argument("--out", default="", help="with --sweep: also write the lines here")
-    ap.add_argument("--lengths", default="off,32,64,128", help="intra_cp values: 'off' and segment lengths in chunks")
+    ap.add_argument("--lengths", default="off,32,64,128", help="intra_cp values: 'off', 'auto' and segment lengths in "
+                    "chunks")
     ap.add_argument("--reps", type=int, default=20)
-    ap.add_argument("--configs", default="all", help="indices into CONFIGS ('all' or '0,3')")
+    ap.add_argument("--configs", default="all", help="indices into CONFIGS ('all' or '0,3'; 8-10: packed rows)")
     args = ap.parse_args()
     if args.sweep:
         sweep(max(args.reps, 30), args.out)
         return
     picked = range(len(CONFIGS)) if args.configs == "all" else [int(i) for i in args.configs.split(",")]
-    choices = [x if x == "off" else int(x) for x in args.lengths.split(",")]
+    choices = [x if x in ("off", "auto") else int(x) for x in args.lengths.split(",")]
     print("(Hqk,Hv) tokens, intra_cp: fwd graph ms | fwd+bwd eager ms, graph ms, host ms per fwd+bwd", flush=True)
     for Hqk, Hv, seqs in (CONFIGS[i] for i in picked):
         q, k, v, g, beta, cu = make_inputs(Hqk, Hv, seqs)
@@ -94,7 +97,7 @@ def main():
         do = torch.randn_like(v)
         cells = []
         for intra_cp in choices:
-            if intra_cp != "off" and sum(seqs) // 64 <= intra_cp:
+            if isinstance(intra_cp, int) and max(seqs) // 64 <= intra_cp:
                 continue
 
             def fwd_bwd():
@@ -119,7 +122,7 @@ def main():
             graph = graph_median_ms(fwd_bwd, args.reps)
             cells.append(f"{intra_cp}: {graph_median_ms(fwd, args.reps):.3f} | {eager:.3f} {graph:.3f} "
                          f"host {1e3 * statistics.median(host):.2f}")
-        print(f"({Hqk},{Hv}) {'+'.join(map(str, seqs))}: " + " ;; ".join(cells), flush=True)
+        print(f"({Hqk},{Hv}) {sequences_label(seqs)}: " + " ;; ".join(cells), flush=True)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import functools
+import itertools
 import json
 import math
 import os
@@ -61,8 +62,12 @@ def make_inputs(Hqk, Hv, lengths, seed=0):
 
 
 def sequences_label(seqs):
-    """"4096x8" for 8 sequences of 4096 tokens, "24576+8192" for unequal ones."""
-    return f"{seqs[0]}x{len(seqs)}" if len(set(seqs)) == 1 else "+".join(map(str, seqs))
+    """"4096x8" for 8 sequences of 4096 tokens, "24576+8192" for unequal ones, "20480+512x24" for a run of equal
+    ones among others."""
+    if len(set(seqs)) == 1:
+        return f"{seqs[0]}x{len(seqs)}"
+    runs = [(length, len(list(run))) for length, run in itertools.groupby(seqs)]
+    return "+".join(str(length) if count == 1 else f"{length}x{count}" for length, count in runs)
 
 
 @functools.lru_cache(maxsize=8)

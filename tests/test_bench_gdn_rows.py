@@ -71,3 +71,11 @@ def test_forward_chart_leaves_out_series_nobody_timed(tmp_path, monkeypatch):
     bench_gdn.plot(tmp_path / "fwd.png", rows, "NVIDIA H100 80GB HBM3")
     assert drawn["series"] == ["flashqla, CP off", "flashqla, AutoCP", "FlashQLA 0.1.3, CP off", "FlashQLA 0.1.3, AutoCP"]
     assert "H100" in drawn["title"] and drawn["labels"] == ["397B TP8\n32768x1"]
+
+
+def test_sequences_label_names_equal_runs():
+    assert bench_gdn.sequences_label([32768]) == "32768x1"
+    assert bench_gdn.sequences_label([4096] * 8) == "4096x8"
+    assert bench_gdn.sequences_label([24576, 8192]) == "24576+8192"
+    assert bench_gdn.sequences_label([20480] + [512] * 24) == "20480+512x24"
+    assert bench_gdn.sequences_label([8192] * 2 + [1024] * 16 + [8192]) == "8192x2+1024x16+8192"
