@@ -1,8 +1,10 @@
 """Intra-card CP (segments) on the torch backend: exact mode, warmup mode, planning."""
+import itertools
 import math
 import re
 from pathlib import Path
 from types import SimpleNamespace
+from unittest import mock
 
 import pytest
 import torch
@@ -231,7 +233,7 @@ class TorchKernels:
         return exact, active
 
     @staticmethod
-    def fold_segments(out, bias, mats, exact, first_rows, last_rows, reverse, zero_start=False):
+    def fold_segments(out, bias, mats, exact, first_rows, last_rows, reverse, zero_start=False, num_chains=None):
         from kernel_emulator import emulate_segment_chain
 
         rows, heads = exact.shape
@@ -350,3 +352,29 @@ def test_fold_steps_are_views_for_one_sequence_and_index_tensors_for_a_pack():
     pack = plan_segments((0, 5 * 64), (5 * 64, 2 * 64), 1)  # rows 0-4 and 5-6
     steps = rows_at_positions(pack, "cpu")
     assert torch.equal(steps[0], torch.tensor([1, 6])) and steps[1:] == (slice(2, 3), slice(3, 4), slice(4, 5))
+
+
+def test_the_chain_takes_sequences_longest_first_and_counts_those_with_steps():
+    """segment_chain issues its CTAs in the order of the rows it is given, a sequence's v-heads together: the
+    plan hands it the sequences longest first (a one-row sequence's CTAs only write its start row) and the
+    number of sequences whose chains take steps, from which fold_segments picks the V tile."""
+    from flashqla.cp.segments import _plan_tensors
+    from flashqla.kernels.hopper import launch
+
+    lengths = (64, 5 * 64, 1, 3 * 64)  # rows 0 | 1-5 | 6 | 7-9 at one chunk per segment
+    starts = tuple(itertools.accumulate(lengths, initial=0))[:-1]
+    idx = _plan_tensors(plan_segments(starts, lengths, 1), sum(lengths), torch.device("cpu"))
+    assert idx.chain_first.tolist() == [1, 7, 0, 6] and idx.chain_last.tolist() == [5, 9, 0, 6]
+    assert idx.chains == 2 and idx.first.tolist() == [0, 1, 6, 7]  # the plan's order stays for everything else
+
+    seen = []
+    launch_chain = lambda block_v: lambda *args: seen.append(block_v)  # noqa: E731
+    rows, heads, sequences = 20, 8, 20
+    out = torch.zeros(rows, heads, 128, 128)
+    as_rows = torch.arange(sequences, dtype=torch.int32)
+    with mock.patch.object(launch, "compiled_segment_chain", launch_chain), \
+            mock.patch.object(launch, "sm_count_on", lambda device: 132):
+        launch.fold_segments(out, out, out, torch.zeros(rows, heads), as_rows, as_rows, False, num_chains=2)
+        launch.fold_segments(out, out, out, torch.zeros(rows, heads), as_rows, as_rows, False)
+    # 2 x 8 chains: 8 (two waves of 16 x 8 CTAs); counting all 20 sequences' 160 pairs it would be 16
+    assert seen == [launch.chain_block_v(16, 132), launch.chain_block_v(160, 132)] == [8, 16]

@@ -57,6 +57,11 @@ class _PlanTensors:
     first_index: torch.Tensor  # the same as int64, for index_copy_
     last: torch.Tensor  # [sequences] its last row (int32)
     last_index: torch.Tensor  # the same as int64, for index_copy_
+    # the sequences' first and last rows as `segment_chain` takes them: longest first, so that the chains that take
+    # steps are issued before the one-row sequences, whose CTAs only write their start row (int32 [sequences])
+    chain_first: torch.Tensor
+    chain_last: torch.Tensor
+    chains: int  # on the host: the sequences of more than one row, whose chains take steps
     # [has_h0, dht_given (None, False, True), leaving, rows] int32: each row's flags for the gate statistics
     # (`_gate_flags`, kernels/hopper/segment_gates.py); `gate_flags` picks one row of flags
     gate_flag_table: torch.Tensor
@@ -84,8 +89,11 @@ def _plan_tensors(plan: SegmentPlan, num_tokens: int, device: torch.device) -> _
     last_row = plan.last_rows[-1]
     chunk_last_token = [[start + min(CHUNK * (c + 1), length) - 1 for c in range(max(chunks))]
                         for start, length in zip(plan.starts, plan.lengths)]
+    longest_first = sorted(zip(plan.first_rows, plan.last_rows), key=lambda rows: rows[0] - rows[1])  # stable
+    chains = sum(last > first for first, last in longest_first)
     return _PlanTensors(cu, chunk_offsets, as_tensor(has_next, torch.bool), as_tensor(plan.first_rows, torch.int32),
                         as_tensor(plan.first_rows), as_tensor(plan.last_rows, torch.int32), as_tensor(plan.last_rows),
+                        *(as_tensor([rows[i] for rows in longest_first], torch.int32) for i in (0, 1)), chains,
                         as_tensor(_gate_flags(has_prev, has_next, last_row), torch.int32),
                         as_tensor(chunk_last_token), num_tokens, plan.first_rows[0], last_row)
 
@@ -152,8 +160,8 @@ def _chain(hopper, S_star, M, exact, idx: _PlanTensors, initial_state):
     S0 = torch.empty_like(S_star)  # the chain writes every row, and with no initial state the first rows' zeros
     if initial_state is not None:
         S0.index_copy_(0, idx.first_index, initial_state.to(S0.dtype))
-    return hopper.fold_segments(S0, S_star, M, exact, idx.first, idx.last, reverse=False,
-                                zero_start=initial_state is None)
+    return hopper.fold_segments(S0, S_star, M, exact, idx.chain_first, idx.chain_last, reverse=False,
+                                zero_start=initial_state is None, num_chains=idx.chains)
 
 
 def _packed(idx, *tensors):
@@ -256,7 +264,8 @@ def exit_gradients(hopper, D, M, exact, idx: _PlanTensors, dht):
     if dht is not None:
         X.index_copy_(0, idx.last_index, dht.to(X.dtype))
     # row j - 1 reads f_j from `exact` itself (segment_chain.py): 1 out of a sequence's last row, else exact_{j+1}
-    return hopper.fold_segments(X, D, M, exact, idx.first, idx.last, reverse=True, zero_start=dht is None)
+    return hopper.fold_segments(X, D, M, exact, idx.chain_first, idx.chain_last, reverse=True, zero_start=dht is None,
+                                num_chains=idx.chains)
 
 
 def _reverse_walk_last_chunks(idx: _PlanTensors, gcum, cp_warmup: float):

@@ -387,18 +387,21 @@ def chain_block_v(num_chains: int, sm_count: int) -> int:
 
 
 def fold_segments(out, bias, mats, exact, first_rows, last_rows, reverse: bool, zero_start: bool = False,
-                  block_v: int | None = None):
+                  block_v: int | None = None, num_chains: int | None = None):
     """The chain over segments in one `segment_chain` launch, in place on `out` (fp32 [rows, Hv, 128, 128]):
     forward out[r] = bias[r-1] + exact[r] mats[r-1] out[r-1]; reverse out[r] = bias[r+1] + f_r mats[r+1]^T
     out[r+1], f_r = 1 out of a sequence's last row (r + 1 = last), else exact[r + 2]. bias, mats fp32 like out;
     exact fp32 [rows, Hv] (which rows start from the exact chain: `segment_masks`); first_rows, last_rows int32
-    [sequences]. The chain starts from the first rows (forward) or last rows (reverse) of `out` as given, or
-    with zero_start from zero, which it writes there. block_v: the V tile (one of CHAIN_BLOCK_V_CHOICES; None:
-    `chain_block_v`'s choice)."""
+    [sequences], in any order (the CTAs are issued in it, a sequence's v-heads together: longest first lets
+    the chains that take steps start before the one-row sequences'). The chain starts from the first rows
+    (forward) or last rows (reverse) of `out` as given, or with zero_start from zero, which it writes there.
+    block_v: the V tile (one of CHAIN_BLOCK_V_CHOICES; None: `chain_block_v`'s choice for num_chains
+    sequences of more than one row, None: all of them)."""
     rows, Hv = exact.shape
     flat = lambda t: t.view(rows * Hv, HEAD_DIM, HEAD_DIM)  # noqa: E731
     if block_v is None:
-        block_v = chain_block_v(first_rows.numel() * Hv, sm_count_on(out.device))
+        chains = first_rows.numel() if num_chains is None else max(num_chains, 1)
+        block_v = chain_block_v(chains * Hv, sm_count_on(out.device))
     compiled_segment_chain(block_v)(flat(out), flat(bias), flat(mats), exact.reshape(-1), first_rows, last_rows, Hv,
                                     int(reverse), int(zero_start))
     return out

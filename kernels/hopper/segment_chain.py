@@ -13,8 +13,9 @@ so both directions read the forward's `exact` mask as it is (mask[r]: row r star
 `out` holds the first (forward) or last (backward) row of every sequence on entry, or with `zero_start` the
 chain starts from zero and writes that zero start row itself (no fill launch before it). All operands fp32
 [rows * Hv, 128, 128] (mask [rows * Hv]); the products run on CUDA cores in fp32 (a fp32 T.gemm would
-be TF32). One CTA per (V tile, sequence, v-head): what was one batched GEMM launch per segment position
-on the host is one launch for the whole chain; a row whose mask is 0 skips its product.
+be TF32). One CTA per (V tile, v-head, sequence), the sequence slowest, so the CTAs are issued in the order of
+`first_rows` (launch.fold_segments); what was one batched GEMM launch per segment position on the host is
+one launch for the whole chain; a row whose mask is 0 skips its product.
 
 Each step is a 128 x block_v x 128 product, serial along the chain, so a step's latency is the kernel's
 time. What a step waits for, and how each wait is kept off it:
@@ -153,7 +154,8 @@ def build_segment_chain(block_v: int, rows_per_thread: int = ROWS_PER_THREAD, k_
         reverse: T.int32,
         zero_start: T.int32,
     ):
-        with T.Kernel(D // BV, num_seqs, num_heads, threads=threads) as (bv, n, h):
+        # the sequence slowest: CTAs are issued in first_rows' order, all v-heads of a sequence together
+        with T.Kernel(D // BV, num_heads, num_seqs, threads=threads) as (bv, h, n):
             v0 = bv * BV
             first = first_rows[n]
             last = last_rows[n]

@@ -66,16 +66,18 @@ def test_backward_reuses_the_forward_segmentation_plan(monkeypatch):
     assert seen["kept"] is not None  # the backward reuses the forward's segment starts
 
 
+@pytest.mark.parametrize("longest_first", [False, True])
 @pytest.mark.parametrize("block_v", [None, 4, 8, 16])
 @pytest.mark.parametrize("reverse", [False, True])
 @pytest.mark.parametrize("zero_start", [False, True])
-def test_segment_chain_kernel_matches_the_float64_fold(reverse, block_v, zero_start):
+def test_segment_chain_kernel_matches_the_float64_fold(reverse, block_v, zero_start, longest_first):
     """The one-launch chain over segments (a pack: 5 rows, 1 row, 3 rows, 600 rows, so that the kernel
     reads its masks in more than two blocks; some masks 0) against the same fold in float64, row by row;
     fp32 products on CUDA cores keep it within fp32 rounding. The reverse chain reads the forward's mask two
     rows on (1 out of a sequence's last row). zero_start: the start rows are NaN on entry and the kernel
     starts from (and writes) zeros. block_v None: the tile `fold_segments` chooses; 4, 8 and 16: each compiled
-    tile, forced."""
+    tile, forced. longest_first: the sequences handed over in the order intra-card CP gives them (the CTAs are
+    issued in it), which must not change a value."""
     from flashqla.kernels.hopper import fold_segments
 
     gen = torch.Generator(device="cuda").manual_seed(11)
@@ -102,8 +104,10 @@ def test_segment_chain_kernel_matches_the_float64_fold(reverse, block_v, zero_st
                 factor = torch.ones(heads, dtype=torch.float64, device="cuda") if r + 1 == l else mask[r + 2].double()
             want[r] = bias[src].double() + factor[:, None, None] * (M @ want[src])
     as_int = lambda xs: torch.tensor(xs, dtype=torch.int32, device="cuda")  # noqa: E731
+    if longest_first:
+        first, last = zip(*sorted(zip(first, last), key=lambda rows: rows[0] - rows[1]))
     got = fold_segments(out, bias, mats, mask, as_int(first), as_int(last), reverse, zero_start=zero_start,
-                        block_v=block_v)
+                        block_v=block_v, num_chains=3 if longest_first else None)
     assert not got.isnan().any()
     assert rel_err(got, want) <= 1e-5, rel_err(got, want)
 
