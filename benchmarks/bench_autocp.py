@@ -2,6 +2,7 @@
 
     python benchmarks/bench_autocp.py [--lengths off,auto,32,64,128] [--reps 20] [--configs all|0,3]
     python benchmarks/bench_autocp.py --sweep [--out tests/data/autocp_sweep_h200.txt]
+    python benchmarks/bench_autocp.py --sweep packs [--out tests/data/autocp_sweep_packs_h200.txt]
 
 Per configuration and intra_cp: forward (CUDA-graph median), fwd+bwd eager and CUDA-graph medians, and the
 host time of one fwd+bwd call (issue time, before the GPU finishes).
@@ -9,10 +10,13 @@ host time of one fwd+bwd call (issue time, before the GPU finishes).
 backward matrix and bench_gdn's ten configs, off and every L of 8 to 128 chunks shorter than the longest
 sequence, forward and fwd+bwd CUDA-graph medians only, one line per config in the form that
 tests/test_intra_cp.py reads from tests/data/autocp_sweep_h200.txt.
+--sweep packs: the same over training rows packed with documents (`document_pack`: lognormal lengths in the
+order drawn, the last one cut at the row's end), the planner's other case: rows of unequal length.
 """
 from __future__ import annotations
 
 import argparse
+import random
 import statistics
 import time
 
@@ -32,6 +36,25 @@ CONFIGS = [(2, 8, [32768]), (2, 8, [16384]), (2, 8, [8192]), (4, 16, [32768]), (
 
 
 SWEEP_LENGTHS = (0, 8, 16, 32, 64, 128)  # chunks, 0 = off
+PACK_HEADS = ((1, 4), (2, 8), (4, 16), (8, 32))  # (Hqk, Hv) of the packed-row sweep
+PACK_DRAWS = ((5.5, 11), (6.0, 1), (6.5, 7), (7.0, 2), (7.0, 5), (8.0, 3))  # (log of the median document length in tokens, seed)
+PACK_TOKENS = 32768
+
+
+def document_pack(tokens: int, median_log: float, seed: int, sigma: float = 1.5) -> list[int]:
+    """A training row of `tokens` packed with documents of lognormal length (median e^median_log tokens, log
+    standard deviation sigma) in the order drawn; the last document is cut at the row's end."""
+    draw = random.Random(seed)
+    lengths: list[int] = []
+    while sum(lengths) < tokens:
+        lengths.append(min(tokens - sum(lengths), max(1, int(draw.lognormvariate(median_log, sigma)))))
+    return lengths
+
+
+def pack_configs():
+    """(label, Hqk, Hv, lengths) of the packed-row sweep: every PACK_HEADS x PACK_DRAWS."""
+    return [(f"{Hqk},{Hv} {sequences_label(seqs)}", Hqk, Hv, seqs)
+            for Hqk, Hv in PACK_HEADS for seqs in (document_pack(PACK_TOKENS, m, seed) for m, seed in PACK_DRAWS)]
 
 
 def sweep_configs():
@@ -41,12 +64,13 @@ def sweep_configs():
     return [(f"{name}{Hqk},{Hv} {sequences_label(seqs)}", Hqk, Hv, list(seqs)) for name, Hqk, Hv, seqs in named]
 
 
-def sweep(reps, out_path):
-    """One line per config: 'label: planned L (fwd/fwd+bwd); best fwd L.., fwd+bwd L..; L0=f/b L8=f/b ...'."""
+def sweep(reps, out_path, configs=None):
+    """One line per config of `configs` (default: sweep_configs()): 'label: planned L (fwd/fwd+bwd); best fwd
+    L.., fwd+bwd L..; L0=f/b L8=f/b ...'."""
     from flashqla.cp.plan import resolve_segment_chunks
 
     lines = []
-    for label, Hqk, Hv, seqs in sweep_configs():
+    for label, Hqk, Hv, seqs in sweep_configs() if configs is None else configs:
         q, k, v, g, beta, cu = make_inputs(Hqk, Hv, seqs)
         leaves = [t.detach().requires_grad_(True) for t in (q, k, v, g, beta)]
         do = torch.randn_like(v)
@@ -78,7 +102,9 @@ def sweep(reps, out_path):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--sweep", action="store_true", help="the planner's calibration sweep (see above)")
+    ap.add_argument("--sweep", nargs="?", const="matrix", choices=("matrix", "packs"),
+                    help="the planner's calibration sweep (see above): FlashQLA's matrix and bench_gdn's configs, or "
+                    "rows packed with documents")
     ap.add_argument("--out", default="", help="with --sweep: also write the lines here")
     ap.add_argument("--lengths", default="off,32,64,128", help="intra_cp values: 'off', 'auto' and segment lengths in "
                     "chunks")
@@ -86,7 +112,7 @@ def main():
     ap.add_argument("--configs", default="all", help="indices into CONFIGS ('all' or '0,3'; 8-10: packed rows)")
     args = ap.parse_args()
     if args.sweep:
-        sweep(max(args.reps, 30), args.out)
+        sweep(max(args.reps, 30), args.out, pack_configs() if args.sweep == "packs" else None)
         return
     picked = range(len(CONFIGS)) if args.configs == "all" else [int(i) for i in args.configs.split(",")]
     choices = [x if x in ("off", "auto") else int(x) for x in args.lengths.split(",")]

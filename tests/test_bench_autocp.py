@@ -3,14 +3,16 @@
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import bench_autocp  # noqa: E402
-from test_intra_cp import h200_sweep  # noqa: E402
+from test_intra_cp import read_sweep  # noqa: E402
 
 
-def test_sweep_writes_what_the_planner_test_reads(tmp_path, monkeypatch):
+@pytest.mark.parametrize("which,count", [("matrix", 42), ("packs", 24)])
+def test_sweep_writes_what_the_planner_test_reads(tmp_path, monkeypatch, which, count):
     timed = []
 
     def fake_inputs(Hqk, Hv, seqs):  # shapes do not matter: nothing runs
@@ -23,16 +25,24 @@ def test_sweep_writes_what_the_planner_test_reads(tmp_path, monkeypatch):
     monkeypatch.setattr(bench_autocp, "make_inputs", fake_inputs)
     monkeypatch.setattr(bench_autocp, "graph_median_ms", fake_time)
     out = tmp_path / "sweep.txt"
-    bench_autocp.sweep(30, str(out))
+    configs = bench_autocp.sweep_configs() if which == "matrix" else bench_autocp.pack_configs()
+    bench_autocp.sweep(30, str(out), configs)
 
     from flashqla.cp.plan import calibrated_segment_chunks
 
-    rows = h200_sweep(out)
-    configs = bench_autocp.sweep_configs()
-    assert len(rows) == len(configs) == 42
+    rows = read_sweep(out)
+    assert len(rows) == len(configs) == count
     for (label, heads, lengths, times), (name, _, Hv, seqs) in zip(rows, configs):
         assert label == name and heads == Hv and lengths == tuple(seqs)
         longest = max(seqs) // 64
         assert set(times) == {L for L in bench_autocp.SWEEP_LENGTHS if L < longest} | {0}
         assert calibrated_segment_chunks(lengths, heads) in times
     assert len(timed) == 2 * sum(len(t) for *_, t in rows)  # forward and fwd+bwd of each
+
+
+def test_document_pack_fills_the_row_with_documents_in_the_order_drawn():
+    lengths = bench_autocp.document_pack(32768, 6.0, 1)
+    assert sum(lengths) == 32768 and min(lengths) >= 1 and len(lengths) > 10
+    assert lengths != sorted(lengths) and lengths != sorted(lengths, reverse=True)
+    assert bench_autocp.document_pack(32768, 6.0, 1) == lengths  # seeded: the sweep's rows are reproducible
+    assert len({tuple(seqs) for *_, seqs in bench_autocp.pack_configs()}) == len(bench_autocp.PACK_DRAWS)

@@ -5,6 +5,7 @@ flashqla.ops.checks), never device data, so a training step with a fixed pack ca
 """
 from __future__ import annotations
 
+import collections
 import functools
 import math
 from dataclasses import dataclass
@@ -78,23 +79,56 @@ def auto_segment_chunks(lengths: tuple[int, ...], heads: int, sm_count: int) -> 
 # chunks, forward and fwd+bwd in CUDA graphs. A call walks its rows (sequences, or segments of them) one chunk
 # step at a time, a CTA per row and v-head; an SM holding w such walks at once steps each of them in about
 # max(1, w / WALK_OVERLAP) times one walk's step (one walk alone leaves the SM mostly waiting). A segmented
-# call walks each segment about SEGMENTED_PASSES times (the summary and final walks, the backward's walks from
-# zero and its reverse walk, against the forward and backward walks of an unsegmented one), and pays
-# SEGMENT_STEPS chunk steps per segment of the longest sequence (the fp32 fold over segments, both ways):
-#     cost(L)   = SEGMENTED_PASSES x L x max(1, ceil(v-heads x segments / SMs) / WALK_OVERLAP)
+# call walks each segment of a cut sequence about SEGMENTED_PASSES times (the summary and final walks, the
+# backward's walks from zero and its reverse walk, against the forward and backward walks of an unsegmented
+# one; a sequence of one row has no summary), and pays SEGMENT_STEPS chunk steps per segment of the longest
+# sequence (the fp32 fold over segments, both ways):
+#     cost(L)   = walks(every row) + (SEGMENTED_PASSES - 1) x walks(the rows of cut sequences)
 #                 + SEGMENT_STEPS x segments of the longest sequence
-#     cost(off) = longest x max(1, ceil(v-heads x sequences / SMs) / WALK_OVERLAP)
-# The cheapest of off and the L of TILELANG_SEGMENT_CHOICES shorter than the longest sequence (off, then the
-# longest L, on a tie) is within 1.033x of the best forward and 1.088x of the best fwd+bwd on every config,
-# 0.2% and 0.4% off on the geometric mean. The rule it replaces (a load threshold, 128 chunks at least, waves x
-# L x 4.8 us + 5 us per segment) was 2.4% and 3.1% off on the first 42, up to 1.42x on fwd+bwd (2 x 4K tokens
-# at 4 v-heads, left unsegmented). The misses: 64 v-heads x 1 x 32K and 32 v-heads x 2 x 16K stay unsegmented
-# where L = 64 is 8.8% and 5.4% faster fwd+bwd; 8 v-heads x 64K takes 64 where 32 is 2.5-3.3% faster.
+#     cost(off) = walks(the sequences)
+#     walks(rows) = max(longest row, sum over waves of the wave's mean row / WALK_OVERLAP)
+# where the waves are the (row, v-head) walks longest first, SMs at a time (`_walks_time`). On rows of one length
+# that is L x max(1, ceil(v-heads x rows / SMs) / WALK_OVERLAP), the form fitted on the sweep: the cheapest of
+# off and the L of TILELANG_SEGMENT_CHOICES shorter than the longest sequence (off, then the longest L, on a tie)
+# is within 1.033x of the best forward and 1.088x of the best fwd+bwd on every config, 0.2% and 0.4% off on the
+# geometric mean; re-measured on an H100 with the kernels of the fiftieth session (tests/data/
+# autocp_sweep_h100.txt, 42 configs) within 1.016x and 1.010x. The rule it replaces (a load threshold, 128
+# chunks at least, waves x L x 4.8 us + 5 us per segment) was 2.4% and 3.1% off on the first 42, up to 1.42x on
+# fwd+bwd (2 x 4K tokens at 4 v-heads, left unsegmented). The misses: 64 v-heads x 1 x 32K and 32 v-heads x 2 x
+# 16K stay unsegmented where L = 64 is 8.8% and 5.4% faster fwd+bwd; 8 v-heads x 64K takes 64 where 32 is
+# 2.5-3.3% faster.
+# Rows packed with documents (fiftieth session, H100, tests/data/autocp_sweep_packs_h100.txt: 24 rows of 32K
+# tokens, 3 to 60 lognormal documents, 4 to 32 v-heads): counting every row as long as the longest and every
+# segment as walked SEGMENTED_PASSES times, the rule cut rows whose short documents already filled the GPU (at
+# 32 v-heads L = 8 where off was 1.63x faster forward, 1.26x fwd+bwd; 17% and 8% off on the geometric mean);
+# with the waves' mean rows and the passes on cut sequences only, 1.1% and 1.0% off, the one miss a 7-document
+# row at 32 v-heads left unsegmented where L = 32 or 64 is 1.17x / 1.15x faster.
 TILELANG_SEGMENT_CHOICES = (8, 16, 32, 64, 128)  # chunks
 SEGMENTED_PASSES = 2.75
 WALK_OVERLAP = 1.25
 SEGMENT_STEPS = 2.5
 H200_SMS = 132
+
+
+def _walks_time(rows: list[int], heads: int, sm_count: int) -> float:
+    """One pass of walks over `rows` (chunks each) with `heads` v-heads, in chunk steps of one walk: the (row,
+    v-head) walks longest first, `sm_count` to a wave; each wave costs its mean row over WALK_OVERLAP (more walks
+    than SMs share them), and no pass is shorter than its longest row. Rows of one length go in bulk (a 1M-token
+    sequence at L = 8 is 2048 rows)."""
+    waves, wave_sum, filled = 0.0, 0, 0  # whole waves' cost so far; the open wave's walks and their chunks
+    for length, count in sorted(collections.Counter(rows).items(), reverse=True):
+        left = count * heads
+        if filled:  # top up the open wave first
+            take = min(left, sm_count - filled)
+            wave_sum, filled, left = wave_sum + take * length, filled + take, left - take
+            if filled == sm_count:
+                waves, wave_sum, filled = waves + wave_sum / sm_count, 0, 0
+        full, rest = divmod(left, sm_count)  # left > 0 only with the open wave closed
+        waves += full * length
+        wave_sum, filled = wave_sum + rest * length, filled + rest
+    if filled:
+        waves += wave_sum / filled
+    return max(max(rows), waves / WALK_OVERLAP)
 
 
 @functools.lru_cache(maxsize=256)
@@ -106,14 +140,13 @@ def calibrated_segment_chunks(lengths: tuple[int, ...], heads: int, sm_count: in
         return 0
     longest = max(chunks)
 
-    def step_cost(rows):  # one chunk step of every walk, with heads x rows walks on the SMs
-        return max(1.0, math.ceil(heads * rows / sm_count) / WALK_OVERLAP)
-
     def cost(L):
         if L >= longest:  # off
-            return longest * step_cost(len(chunks))
-        segments = sum(math.ceil(c / L) for c in chunks)
-        return SEGMENTED_PASSES * L * step_cost(segments) + SEGMENT_STEPS * math.ceil(longest / L)
+            return _walks_time(chunks, heads, sm_count)
+        cut = [min(L, c - s) for c in chunks if c > L for s in range(0, c, L)]  # the segments of cut sequences
+        whole = [c for c in chunks if c <= L]  # sequences of one row
+        return (_walks_time(cut + whole, heads, sm_count) + (SEGMENTED_PASSES - 1) * _walks_time(cut, heads, sm_count)
+                + SEGMENT_STEPS * math.ceil(longest / L))
 
     candidates = [longest] + [L for L in reversed(TILELANG_SEGMENT_CHOICES) if L < longest]
     best = min(candidates, key=cost)  # the first on a tie: off, then the longest L
