@@ -37,7 +37,8 @@ CONFIGS = [(2, 8, [32768]), (2, 8, [16384]), (2, 8, [8192]), (4, 16, [32768]), (
 
 SWEEP_LENGTHS = (0, 8, 16, 32, 64, 128)  # chunks, 0 = off
 PACK_HEADS = ((1, 4), (2, 8), (4, 16), (8, 32))  # (Hqk, Hv) of the packed-row sweep
-PACK_DRAWS = ((5.5, 11), (6.0, 1), (6.5, 7), (7.0, 2), (7.0, 5), (8.0, 3))  # (log of the median document length in tokens, seed)
+# (log of the median document length in tokens, seed) of each packed row
+PACK_DRAWS = ((5.5, 11), (6.0, 1), (6.5, 7), (7.0, 2), (7.0, 5), (8.0, 3))
 PACK_TOKENS = 32768
 
 
