@@ -10,13 +10,12 @@ host time of one fwd+bwd call (issue time, before the GPU finishes).
 backward matrix and bench_gdn's ten configs, off and every L of 8 to 128 chunks shorter than the longest
 sequence, forward and fwd+bwd CUDA-graph medians only, one line per config in the form that
 tests/test_intra_cp.py reads from tests/data/autocp_sweep_h200.txt.
---sweep packs: the same over training rows packed with documents (`document_pack`: lognormal lengths in the
+--sweep packs: the same over training rows packed with documents (doc_packs.py: lognormal lengths in the
 order drawn, the last one cut at the row's end), the planner's other case: rows of unequal length.
 """
 from __future__ import annotations
 
 import argparse
-import random
 import statistics
 import time
 
@@ -27,6 +26,7 @@ from bench_bwd import HEADS as BWD_HEADS
 from bench_bwd import SEQS as BWD_SEQS
 from bench_bwd import TOKENS as BWD_TOKENS
 from bench_gdn import CONFIGS as GDN_CONFIGS
+from doc_packs import pack_draws
 from bench_gdn import eager_median_ms, graph_median_ms, make_inputs, sequences_label
 
 CONFIGS = [(2, 8, [32768]), (2, 8, [16384]), (2, 8, [8192]), (4, 16, [32768]), (4, 16, [8192]), (8, 24, [32768]),
@@ -37,25 +37,12 @@ CONFIGS = [(2, 8, [32768]), (2, 8, [16384]), (2, 8, [8192]), (4, 16, [32768]), (
 
 SWEEP_LENGTHS = (0, 8, 16, 32, 64, 128)  # chunks, 0 = off
 PACK_HEADS = ((1, 4), (2, 8), (4, 16), (8, 32))  # (Hqk, Hv) of the packed-row sweep
-# (log of the median document length in tokens, seed) of each packed row
-PACK_DRAWS = ((5.5, 11), (6.0, 1), (6.5, 7), (7.0, 2), (7.0, 5), (8.0, 3))
-PACK_TOKENS = 32768
-
-
-def document_pack(tokens: int, median_log: float, seed: int, sigma: float = 1.5) -> list[int]:
-    """A training row of `tokens` packed with documents of lognormal length (median e^median_log tokens, log
-    standard deviation sigma) in the order drawn; the last document is cut at the row's end."""
-    draw = random.Random(seed)
-    lengths: list[int] = []
-    while sum(lengths) < tokens:
-        lengths.append(min(tokens - sum(lengths), max(1, int(draw.lognormvariate(median_log, sigma)))))
-    return lengths
 
 
 def pack_configs():
     """(label, Hqk, Hv, lengths) of the packed-row sweep: every PACK_HEADS x PACK_DRAWS."""
     return [(f"{Hqk},{Hv} {sequences_label(seqs)}", Hqk, Hv, seqs)
-            for Hqk, Hv in PACK_HEADS for seqs in (document_pack(PACK_TOKENS, m, seed) for m, seed in PACK_DRAWS)]
+            for Hqk, Hv in PACK_HEADS for seqs in pack_draws()]
 
 
 def sweep_configs():

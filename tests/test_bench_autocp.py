@@ -41,8 +41,10 @@ def test_sweep_writes_what_the_planner_test_reads(tmp_path, monkeypatch, which, 
 
 
 def test_document_pack_fills_the_row_with_documents_in_the_order_drawn():
-    lengths = bench_autocp.document_pack(32768, 6.0, 1)
+    from doc_packs import PACK_DRAWS, document_pack
+
+    lengths = document_pack(32768, 6.0, 1)
     assert sum(lengths) == 32768 and min(lengths) >= 1 and len(lengths) > 10
     assert lengths != sorted(lengths) and lengths != sorted(lengths, reverse=True)
-    assert bench_autocp.document_pack(32768, 6.0, 1) == lengths  # seeded: the sweep's rows are reproducible
-    assert len({tuple(seqs) for *_, seqs in bench_autocp.pack_configs()}) == len(bench_autocp.PACK_DRAWS)
+    assert document_pack(32768, 6.0, 1) == lengths  # seeded: the sweep's rows are reproducible
+    assert len({tuple(seqs) for *_, seqs in bench_autocp.pack_configs()}) == len(PACK_DRAWS)

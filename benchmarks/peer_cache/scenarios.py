@@ -1,4 +1,4 @@
-"""The flash-qla 0.1.3 calls our benchmarks make (benchmarks/bench_gdn.py, bench_bwd.py, bench_cp.py).
+"""The flash-qla 0.1.3 calls our benchmarks make (benchmarks/bench_gdn.py, bench_bwd.py, bench_packs.py, bench_cp.py).
 
 Shared by precompile.py (run on the CPU through fqla_cpu.fake_cuda) and check_gpu.py (run on the H200).
 Inputs as in the benchmarks: q, k, v, beta bf16, g float32 (log-space decay), K = V = 128, B = 1, scale default
@@ -8,9 +8,14 @@ Tensors are torch.empty (contents are irrelevant to which kernels get built).
 from __future__ import annotations
 
 import itertools
+import os
+import sys
 import types
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/
+from doc_packs import pack_draws  # noqa: E402
 
 D = 128
 HEADS = [(2, 8), (16, 32)]                 # (Hqk, Hv) for the single-GPU calls
@@ -78,6 +83,10 @@ def single_gpu_scenarios():
             add(kind, Hqk, Hv, T, torch.int64, True, [T // n] * n)
     for (Hqk, Hv, seqs), auto_cp in itertools.product(GDN_CONFIGS, [False, True]):
         add("fwd_api", Hqk, Hv, sum(seqs), torch.int64, auto_cp, seqs)
+    # bench_packs.py: training rows packed with documents at the matrix's heads, called as bench_bwd calls it
+    for (Hqk, Hv), seqs in itertools.product(BWD_HEADS, pack_draws()):
+        for kind in ("train", "infer"):
+            add(kind, Hqk, Hv, sum(seqs), torch.int64, True, seqs)
     return out
 
 
