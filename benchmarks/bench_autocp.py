@@ -2,7 +2,7 @@
 
     python benchmarks/bench_autocp.py [--lengths off,auto,32,64,128] [--reps 20] [--configs all|0,3]
     python benchmarks/bench_autocp.py --sweep [--out tests/data/autocp_sweep_h200.txt]
-    python benchmarks/bench_autocp.py --sweep packs [--out tests/data/autocp_sweep_packs_h200.txt]
+    python benchmarks/bench_autocp.py --sweep packs [--out tests/data/autocp_sweep_packs_h100.txt]
 
 Per configuration and intra_cp: forward (CUDA-graph median), fwd+bwd eager and CUDA-graph medians, and the
 host time of one fwd+bwd call (issue time, before the GPU finishes).
@@ -26,8 +26,8 @@ from bench_bwd import HEADS as BWD_HEADS
 from bench_bwd import SEQS as BWD_SEQS
 from bench_bwd import TOKENS as BWD_TOKENS
 from bench_gdn import CONFIGS as GDN_CONFIGS
-from doc_packs import pack_draws
 from bench_gdn import eager_median_ms, graph_median_ms, make_inputs, sequences_label
+from doc_packs import pack_draws
 
 CONFIGS = [(2, 8, [32768]), (2, 8, [16384]), (2, 8, [8192]), (4, 16, [32768]), (4, 16, [8192]), (8, 24, [32768]),
            (16, 16, [32768]), (32, 32, [32768]),
