@@ -134,6 +134,24 @@ def tilelang_compiles_refused(who: str):
         JITKernel._compile_and_create_adapter = compile_kernel
 
 
+def time_impl_noted(impl, fn, inputs, do, reps, graphs, refuse_peer_jit, notes, config):
+    """time_impl of one implementation under its environment (FlashQLA's TileLang compiles refused with
+    refuse_peer_jit) -> (its times or None, seconds taken); a failure and a first call over 30 s become notes."""
+    start = time.perf_counter()
+    guard = tilelang_compiles_refused(impl) if refuse_peer_jit and impl == "flash_qla" else contextlib.nullcontext()
+    try:
+        with guard, environment(impl_environment(impl)[1]):
+            times = time_impl(fn, inputs, do, reps, graphs, notes, f"{impl} {config}")
+    except Exception as exc:
+        notes.append(f"- {impl} failed on {config}: {exc.__class__.__name__}: {str(exc)[:160]}")
+        print(notes[-1], flush=True)
+        return None, round(time.perf_counter() - start, 1)
+    seconds = round(time.perf_counter() - start, 1)
+    if seconds > 30:
+        notes.append(f"- {impl} {config}: {seconds:.0f} s incl. JIT")
+    return times, seconds
+
+
 def time_impl(fwd, inputs, do, reps, graphs=False, notes=None, label=""):
     """(fwd ms, fwd+bwd ms, peak MiB). graphs: CUDA-graph replay, eager where capture fails (noted)."""
     q, k, v, g, beta, cu = inputs
@@ -216,20 +234,8 @@ def main():
                 row = dict(Hqk=Hqk, Hv=Hv, T=T, n=n, floors=backward_floors_us(Hqk, Hv, T, peaks))
                 seconds = {}
                 for impl, fn in fns.items():
-                    try:
-                        start = time.perf_counter()
-                        guard = (tilelang_compiles_refused(impl) if args.refuse_peer_jit and impl == "flash_qla"
-                                 else contextlib.nullcontext())
-                        with guard, environment(impl_environment(impl)[1]):
-                            row[impl] = time_impl(fn, inputs, do, args.reps, args.graphs, notes,
-                                                  f"{impl} ({Hqk},{Hv}) {T}x{n}")
-                        seconds[impl] = round(time.perf_counter() - start, 1)
-                        if seconds[impl] > 30:
-                            notes.append(f"- {impl} ({Hqk},{Hv}) {T}x{n}: {seconds[impl]:.0f} s incl. JIT")
-                    except Exception as exc:
-                        row[impl] = None
-                        notes.append(f"- {impl} failed on ({Hqk},{Hv}) {T}/{n}: {exc.__class__.__name__}: {str(exc)[:160]}")
-                        print(notes[-1], flush=True)
+                    row[impl], seconds[impl] = time_impl_noted(impl, fn, inputs, do, args.reps, args.graphs,
+                                                               args.refuse_peer_jit, notes, f"({Hqk},{Hv}) {T}x{n}")
                 rows.append(row)
                 rows.sort(key=matrix_order)
                 if args.rows_json:

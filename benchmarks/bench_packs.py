@@ -15,13 +15,11 @@ kernels specialise on heads and varlen, not on the lengths, so bench_bwd's cover
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import math
-import time
 
 # bench_bwd first: it sets FLA's environment defaults before anything imports FLA
-from bench_bwd import HEADS, environment, forward_fn, impl_environment, tilelang_compiles_refused, time_impl
+from bench_bwd import HEADS, forward_fn, impl_environment, time_impl_noted
 
 import torch  # noqa: E402
 
@@ -96,18 +94,8 @@ def main():
         L = resolve_segment_chunks("auto", tuple(seqs), Hv, inputs[0].device, "tilelang")
         row = dict(Hqk=Hqk, Hv=Hv, seqs=seqs, L=L)
         for impl, fn in fns.items():
-            start = time.perf_counter()
-            guard = (tilelang_compiles_refused(impl) if args.refuse_peer_jit and impl == "flash_qla"
-                     else contextlib.nullcontext())
-            try:
-                with guard, environment(impl_environment(impl)[1]):
-                    row[impl] = time_impl(fn, inputs, do, 10, True, notes, f"{impl} ({Hqk},{Hv}) {len(seqs)} docs")
-            except Exception as exc:
-                row[impl] = None
-                notes.append(f"- {impl} failed on ({Hqk},{Hv}) {len(seqs)} docs: {exc.__class__.__name__}: "
-                             f"{str(exc)[:160]}")
-            if time.perf_counter() - start > 30:
-                notes.append(f"- {impl} ({Hqk},{Hv}) {len(seqs)} docs: {time.perf_counter() - start:.0f} s incl. JIT")
+            row[impl], _ = time_impl_noted(impl, fn, inputs, do, 10, True, args.refuse_peer_jit, notes,
+                                           f"({Hqk},{Hv}) {len(seqs)} docs")
         rows.append(row)
         fmt = {i: None if row[i] is None else f"{row[i][0]:.3f}/{row[i][1]:.3f}" for i in impls}
         print(f"({Hqk},{Hv}) {len(seqs)} docs, longest {max(seqs)}, L {L}: fwd/fwd+bwd ms {fmt}", flush=True)

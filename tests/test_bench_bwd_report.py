@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import bench_bwd  # noqa: E402
@@ -113,3 +114,21 @@ def test_an_implementation_runs_under_the_environment_it_names(monkeypatch):
     assert os.environ["FLASHQLA_GQA_PAIR_SUM"] == "0" and "FLASHQLA_UNSET_HERE" not in os.environ
     with pytest.raises(ValueError, match="VAR=value"):
         bench_bwd.impl_environment("flashqla_cp@FLASHQLA_GQA_PAIR_SUM")
+
+
+def test_a_failing_implementation_becomes_a_note_under_its_own_environment(monkeypatch):
+    """time_impl_noted (bench_bwd and bench_packs): the implementation runs under the variables its name sets, and
+    an exception gives no times and one note naming the implementation and the config, not a crash."""
+    monkeypatch.delenv("FLASHQLA_UNSET_HERE", raising=False)
+    seen = []
+
+    def fails(*args):
+        seen.append(os.environ.get("FLASHQLA_UNSET_HERE"))
+        raise RuntimeError("no kernel")
+
+    inputs = [torch.zeros(1, 2, 1, 4) for _ in range(5)] + [None]
+    notes = []
+    times, seconds = bench_bwd.time_impl_noted("flashqla_cp@FLASHQLA_UNSET_HERE=x", fails, inputs, None, 10, True,
+                                               False, notes, "(2,4) 8192x1")
+    assert times is None and seconds >= 0 and seen == ["x"] and "FLASHQLA_UNSET_HERE" not in os.environ
+    assert notes == ["- flashqla_cp@FLASHQLA_UNSET_HERE=x failed on (2,4) 8192x1: RuntimeError: no kernel"]
