@@ -395,8 +395,9 @@ def fold_segments(out, bias, mats, exact, first_rows, last_rows, reverse: bool, 
     [sequences], in any order (the CTAs are issued in it, a sequence's v-heads together: longest first lets
     the chains that take steps start before the one-row sequences'). The chain starts from the first rows
     (forward) or last rows (reverse) of `out` as given, or with zero_start from zero, which it writes there.
-    block_v: the V tile (one of CHAIN_BLOCK_V_CHOICES; None: `chain_block_v`'s choice for num_chains
-    sequences of more than one row, None: all of them)."""
+    block_v: the V tile (one of CHAIN_BLOCK_V_CHOICES; None: `chain_block_v`'s choice for num_chains x Hv
+    chains). num_chains: the sequences of more than one row, the only ones whose chains take steps (None: every
+    sequence given)."""
     rows, Hv = exact.shape
     flat = lambda t: t.view(rows * Hv, HEAD_DIM, HEAD_DIM)  # noqa: E731
     if block_v is None:
