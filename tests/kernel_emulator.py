@@ -157,7 +157,7 @@ def emulate_chunk_output(q, k, vnew, gcum, h_in, cu, offsets, o, scale, search_s
 
 
 def emulate_fused_fwd(q, k, v, GA, beta, gcum, cu, offsets, h0, o, ht, h_out, scale, use_h0, store_ht, store_states):
-    """The fused walk: O (or with store_states the state entering every chunk, at its slot, and no O)."""
+    """The fused walk: O (store_states 0), the state entering every chunk at its slot and no O (1), or both (2)."""
     Hv, D = v.shape[1], v.shape[2]
     hk = _qk_heads(q.shape[1], Hv)
     S = None
@@ -169,7 +169,7 @@ def emulate_fused_fwd(q, k, v, GA, beta, gcum, cu, offsets, h0, o, ht, h_out, sc
         Vn = _v_new(_rows(GA, t0, rows), _rows(beta, t0, rows), _rows(v, t0, rows), gamma, K, S)
         if store_states:
             h_out[offsets[n] + c] = S.to(h_out.dtype)
-        else:
+        if store_states != 1:
             _store(o, t0, rows, _output(Q, K, S, Vn, gamma, Gamma, scale))
         S = gamma_last[:, :, None] * S + K.transpose(-1, -2) @ (to_end[:, :, None] * Vn)
         if store_ht and t0 + rows == cu[n + 1]:

@@ -121,7 +121,7 @@ def _kernel_like_local_forward(rank, world):
     from flashqla.ops import backends, torch_backend
 
     def whole_sequence_forward(name, call, scale, output_final_state, plan, cp_warmup, for_backward=False,
-                               keep_inverse=False):
+                               keep_inverse=False, keep_states=False):
         c = call
         bounds = None if c.cu_seqlens is None else c.cu_seqlens.tolist()
         own_plan = torch_backend.make_plan(c.q.shape[0], c.q.shape[1], bounds, 0)

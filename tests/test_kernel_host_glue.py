@@ -800,3 +800,128 @@ def test_backward_reads_the_inverse_its_forward_kept(hopper, monkeypatch, intra_
     limits = (1e-2, 1e-2, 1e-2, 2e-2, 2e-2, 1e-2)
     for name, a, b, limit in zip(names, grads["tilelang"], grads["torch"], limits):
         assert rel_err(a, b) <= limit, (name, rel_err(a, b))
+
+
+def _fused_walk_spy(monkeypatch):
+    """Every fused_fwd launch's store_states (0: O, 1: the backward's state recompute, 2: O and the states),
+    appended to the returned list."""
+    from flashqla.kernels.hopper import launch
+
+    modes = []
+    real = launch.compiled_fused_fwd
+
+    def compiled(*build_args):
+        kernel = real(*build_args)
+        return lambda *args: modes.append(args[-1]) or kernel(*args)
+    monkeypatch.setattr(launch, "compiled_fused_fwd", compiled)
+    return modes
+
+
+@pytest.mark.parametrize("intra_cp", ["off", 2])
+def test_a_forward_that_keeps_its_states_spares_the_backward_its_state_walk(hopper, monkeypatch, intra_cp):
+    """keep_states=True: the forward's walk stores the state entering every chunk beside O (store_states 2) and
+    the backward runs no state recompute; its gradients are those of keep_states=False (which recomputes them,
+    store_states 1) bit for bit, and the torch backend's. With FLASHQLA_KEEP_INVERSE=0 nothing rides on the
+    inverse, so nothing is kept."""
+    import flashqla
+    from flashqla.ops import backends
+
+    monkeypatch.setattr(backends, "tilelang_unsupported_reason", lambda call: None)  # "tilelang" on the CPU
+    modes = _fused_walk_spy(monkeypatch)
+    args, cu = call([200, 1, 129, 300], Hqk=2, Hv=4, seed=21)
+    gen = torch.Generator().manual_seed(22)
+    do = torch.randn(args["v"].shape, generator=gen).bfloat16()
+    dht = torch.randn(args["initial_state"].shape, generator=gen) * 0.1
+    names = NAMES + ("initial_state",)
+
+    def fwd_bwd(backend, keep_states):
+        leaves = {n: args[n].clone().requires_grad_(True) for n in names}
+        modes.clear()
+        o, ht = flashqla.chunk_gated_delta_rule(**leaves, cu_seqlens=cu, output_final_state=True, backend=backend,
+                                                intra_cp=intra_cp if backend == "tilelang" else "off",
+                                                keep_states=keep_states)
+        forward_modes = list(modes)
+        modes.clear()
+        torch.autograd.backward((o, ht), (do, dht))
+        return (o, ht), [leaves[n].grad for n in names], forward_modes, list(modes)
+
+    out_kept, grads_kept, fwd_kept, bwd_kept = fwd_bwd("tilelang", True)
+    out_walked, grads_walked, fwd_walked, bwd_walked = fwd_bwd("tilelang", False)
+    assert (fwd_kept, bwd_kept) == ([2], [])
+    assert (fwd_walked, bwd_walked) == ([0], [1])
+    for a, b in zip(out_kept + tuple(grads_kept), out_walked + tuple(grads_walked)):
+        assert torch.equal(a, b)
+    _, grads_torch, _, _ = fwd_bwd("torch", True)
+    limits = (1e-2, 1e-2, 1e-2, 2e-2, 2e-2, 1e-2)
+    for name, a, b, limit in zip(names, grads_kept, grads_torch, limits):
+        assert rel_err(a, b) <= limit, (name, rel_err(a, b))
+
+    monkeypatch.setenv("FLASHQLA_KEEP_INVERSE", "0")
+    assert fwd_bwd("tilelang", True)[2:] == ([0], [1])
+
+
+@pytest.mark.parametrize("how", ["plain", "reentrant", "non-reentrant", "saved-tensor hooks"])
+def test_keep_states_auto_keeps_them_only_in_a_reentrant_recompute(hopper, monkeypatch, how):
+    """keep_states="auto" (the default) keeps the states where the forward runs inside a backward pass with no
+    saved-tensor hooks, as reentrant activation checkpointing recomputes it (its backward follows at once): not
+    in a plain forward, not under non-reentrant checkpointing (whose recompute's own Function is never
+    differentiated) nor under other saved-tensor hooks (CPU offload)."""
+    import flashqla
+    from flashqla.ops import backends
+    from torch.utils.checkpoint import checkpoint
+
+    monkeypatch.setattr(backends, "tilelang_unsupported_reason", lambda call: None)
+    modes = _fused_walk_spy(monkeypatch)
+    args, cu = call([130, 70], Hqk=1, Hv=2, with_h0=False, seed=23)
+    leaves = {n: args[n].clone().requires_grad_(True) for n in NAMES}
+
+    def layer(q, k, v, g, beta):
+        return flashqla.chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens=cu, backend="tilelang", intra_cp="off")[0]
+
+    if how == "plain":
+        o = layer(**leaves)
+    elif how == "saved-tensor hooks":
+        with torch.autograd.graph.save_on_cpu():
+            o = layer(**leaves)
+    else:
+        o = checkpoint(layer, *(leaves[n] for n in NAMES), use_reentrant=how == "reentrant")
+    o.float().square().sum().backward()
+    # reentrant: the first forward runs without grad (nothing kept), the recompute keeps them for the backward
+    expected = {"plain": [0, 1], "reentrant": [0, 2], "non-reentrant": [0, 0, 1], "saved-tensor hooks": [0, 1]}
+    assert modes == expected[how]
+
+
+@pytest.mark.parametrize("setting, modes", [("1", [2]), ("on", [2]), ("0", [0, 1]), ("auto", [0, 1])])
+def test_keep_states_auto_follows_the_environment_where_set(hopper, monkeypatch, setting, modes):
+    """FLASHQLA_KEEP_STATES=1 (0) makes the default "auto" keep (not keep) the states in a plain forward, for
+    frameworks whose layers call the op themselves; "auto" leaves the recompute detection; anything else raises,
+    naming the variable. An explicit keep_states=False is not overridden."""
+    import flashqla
+    from flashqla.ops import backends
+
+    monkeypatch.setattr(backends, "tilelang_unsupported_reason", lambda call: None)
+    modes_seen = _fused_walk_spy(monkeypatch)
+    args, cu = call([130, 70], Hqk=1, Hv=2, with_h0=False, seed=24)
+
+    def fwd_bwd(**kw):
+        leaves = {n: args[n].clone().requires_grad_(True) for n in NAMES}
+        modes_seen.clear()
+        o, _ = flashqla.chunk_gated_delta_rule(**leaves, cu_seqlens=cu, backend="tilelang", intra_cp="off", **kw)
+        o.float().sum().backward()
+        return list(modes_seen)
+
+    monkeypatch.setenv("FLASHQLA_KEEP_STATES", setting)
+    assert fwd_bwd() == modes
+    assert fwd_bwd(keep_states=False) == [0, 1]
+    monkeypatch.setenv("FLASHQLA_KEEP_STATES", "sometimes")
+    with pytest.raises(ValueError, match="FLASHQLA_KEEP_STATES"):
+        fwd_bwd()
+
+
+@pytest.mark.parametrize("value, error", [("yes", ValueError), (1, TypeError), (None, TypeError)])
+def test_keep_states_must_be_auto_true_or_false(value, error):
+    import flashqla
+
+    args, _ = call([64], Hqk=1, Hv=1, with_h0=False)
+    with pytest.raises(error, match="keep_states"):
+        flashqla.chunk_gated_delta_rule(*(args[n] for n in NAMES), keep_states=value)

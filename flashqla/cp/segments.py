@@ -181,24 +181,29 @@ class ForwardSummaries:
     v_shape: torch.Size
     fused: bool  # the last walk's kernel: fused_fwd, or the state walk and chunk_output
     keep_inverse: bool = False  # the backward reads the WY inverse (`Kept`)
+    keep_states: bool = False  # and the per-chunk states the fused walk stores beside O
 
 
 def forward_summaries(hopper, q, k, v, g, beta, plan: SegmentPlan, cp_warmup, has_h0: bool,
                       dht_given: bool | None = None, leaving: bool = False, fused=True,
-                      keep_inverse=False) -> ForwardSummaries:
+                      keep_inverse=False, keep_states=False) -> ForwardSummaries:
     """The first half of `segmented_forward`: everything that does not read the initial states (the
     WY inverse and the summary launch), so inter-card CP runs it while the states are on their way.
     has_h0: an initial state will be given; dht_given, leaving: as `_summaries_needed` (dht_given None:
     no backward); fused: the last walk's kernel (fused_fwd, or the split walk and output); keep_inverse:
-    the walk's `Kept` carries the WY inverse, which the backward then reads instead of computing it again."""
+    the walk's `Kept` carries the WY inverse, which the backward then reads instead of computing it again;
+    keep_states (fused, with keep_inverse): and the state entering every chunk of every segment, stored by the
+    fused walk beside O, which the backward then does not recompute."""
     if not isinstance(fused, bool):
         raise TypeError(f"fused must be True or False, got {fused!r}")
+    if keep_states and not (fused and keep_inverse):
+        raise ValueError("keep_states needs the fused walk and keep_inverse (the states ride on the inverse)")
     idx = _plan_tensors(plan, q.shape[0] * q.shape[1], q.device)
     # segments start on chunk boundaries of their sequence, so they chunk exactly like the sequences
     packed = _packed(idx, q, k, v, g, beta)
     x = hopper.prepare(*packed, idx.cu, chunk_offsets=idx.chunk_offsets)
     summaries = _segment_summaries(hopper, x, idx, cp_warmup, has_h0, dht_given, leaving)
-    return ForwardSummaries(idx, packed, x, *summaries, v.shape, fused, keep_inverse)
+    return ForwardSummaries(idx, packed, x, *summaries, v.shape, fused, keep_inverse, keep_states)
 
 
 def forward_chain(hopper, summ: ForwardSummaries, initial_state):
@@ -218,8 +223,9 @@ def forward_walk(hopper, summ: ForwardSummaries, S0, scale, output_final_state, 
     """Step 3 above from the segments' starts S0: (o, final state[, `Kept`: the starts, and the inverse when
     the summaries kept it])."""
     idx, x, v = summ.idx, summ.x, summ.packed[2]
+    states = hopper.states_buffer(x) if summ.keep_states and with_starts else None
     if summ.fused:
-        o, S_final = hopper.fused_forward(x, v, S0, scale, output_final_state)
+        o, S_final = hopper.fused_forward(x, v, S0, scale, output_final_state, states)
     else:
         h, vnew, S_final = hopper.walk(x, S0, store_final=output_final_state)
         o = hopper.output(x, h, vnew, scale)
@@ -227,7 +233,7 @@ def forward_walk(hopper, summ: ForwardSummaries, S0, scale, output_final_state, 
     o = o.view(summ.v_shape)
     if not with_starts:
         return o, final_state
-    return o, final_state, Kept((S0, summ.M, summ.exact), x.kept() if summ.keep_inverse else None)
+    return o, final_state, Kept((S0, summ.M, summ.exact), x.kept(states) if summ.keep_inverse else None)
 
 
 def forward_from_summaries(hopper, summ: ForwardSummaries, scale, initial_state, output_final_state,
@@ -238,17 +244,18 @@ def forward_from_summaries(hopper, summ: ForwardSummaries, scale, initial_state,
 
 
 def segmented_forward(hopper, q, k, v, g, beta, scale, initial_state, output_final_state, plan: SegmentPlan,
-                      cp_warmup, fused=True, with_starts=False, keep_inverse=False):
+                      cp_warmup, fused=True, with_starts=False, keep_inverse=False, keep_states=False):
     """Intra-card CP on the TileLang kernels (`hopper` = flashqla.kernels.hopper); returns what the
     unsegmented forward would return, (o, final_state), and with_starts a `Kept` with the segments'
     (S_{j,0}, M, exact) for `segmented_backward` (fp32 [rows, Hv, 128, 128] twice: small next to the
     activations, and the backward then skips the summary launch and the chain) and, with keep_inverse, the
-    WY inverse. fused: the final walk's kernel (fused_fwd, or the split walk and output)."""
+    WY inverse (with keep_states, and the per-chunk states). fused: the final walk's kernel (fused_fwd, or the
+    split walk and output)."""
     # kept for the backward: with the M its mirror scan reads (a final-state gradient exists only when
     # the final state is returned)
     summ = forward_summaries(hopper, q, k, v, g, beta, plan, cp_warmup, initial_state is not None,
                              dht_given=output_final_state if with_starts else None, fused=fused,
-                             keep_inverse=keep_inverse)
+                             keep_inverse=keep_inverse, keep_states=keep_states)
     return forward_from_summaries(hopper, summ, scale, initial_state, output_final_state, with_starts)
 
 
@@ -296,6 +303,7 @@ class BackwardPrologue:
     D: torch.Tensor
     shapes: tuple
     has_h0: bool
+    states: torch.Tensor | None = None  # the per-chunk states the forward kept (`keep_states`), or None
     exits_without_dht: torch.Tensor | None = None  # the mirror scan with no dht, once `entering_gradient` ran it
 
 
@@ -325,7 +333,7 @@ def backward_prologue(hopper, q, k, v, g, beta, scale, initial_state, plan: Segm
         last_chunks = _reverse_walk_last_chunks(idx, x.gcum, cp_warmup)
     _, D = hopper.state_gradients(x, do, scale, None, store_dh=False, last_chunks=last_chunks)
     return BackwardPrologue(idx, packed, x, starts, do, scale, D, tuple(t.shape for t in (q, k, v, g, beta)),
-                            initial_state is not None)
+                            initial_state is not None, hopper.take_states(kept.inverse))
 
 
 def backward_finish(hopper, pro: BackwardPrologue, dht):
@@ -338,7 +346,8 @@ def backward_finish(hopper, pro: BackwardPrologue, dht):
             return pro.exits_without_dht
         return exit_gradients(hopper, pro.D, M, exact, pro.idx, dht)
 
-    *grads, dS0 = hopper.backward_of(pro.x, *pro.packed, pro.do, pro.scale, S0, exits)
+    states, pro.states = pro.states, None  # released with the backward's dh
+    *grads, dS0 = hopper.backward_of(pro.x, *pro.packed, pro.do, pro.scale, S0, exits, states)
     grads = [grad.view(shape) for grad, shape in zip(grads, pro.shapes)]
     return (*grads, dS0[pro.idx.first] if pro.has_h0 else None)
 

@@ -107,9 +107,11 @@ def keeps_inverse() -> bool:
 
 
 def forward(name: str, call: Call, scale: float, output_final_state: bool, plan, cp_warmup, for_backward=False,
-            keep_inverse=False):
+            keep_inverse=False, keep_states=False):
     """(o, final state); for_backward: (o, final state, what `backward` can reuse (a `segments.Kept`), or
-    None). keep_inverse: on the TileLang path, keep the WY inverse for the backward (`keeps_inverse`)."""
+    None). keep_inverse: on the TileLang path, keep the WY inverse for the backward (`keeps_inverse`);
+    keep_states: and the per-chunk states (with keep_inverse; the torch backend recomputes its own)."""
+    keep_states = keep_states and keep_inverse
     c = call
     kept = None
     if name == "tilelang":
@@ -117,11 +119,12 @@ def forward(name: str, call: Call, scale: float, output_final_state: bool, plan,
         if plan.is_segmented:  # segments run as packed sequences (flashqla/cp/segments.py)
             *out, kept = segments.segmented_forward(hopper, c.q, c.k, c.v, c.g, c.beta, scale, c.initial_state,
                                                     output_final_state, plan, cp_warmup, with_starts=True,
-                                                    keep_inverse=keep_inverse)
+                                                    keep_inverse=keep_inverse, keep_states=keep_states)
         else:
             cu, chunk_offsets = kernel_layout(c, plan)
             out = hopper.chunk_gdn_fwd(c.q, c.k, c.v, c.g, c.beta, scale, c.initial_state, output_final_state, cu,
-                                       keep_inverse=keep_inverse, chunk_offsets=chunk_offsets)
+                                       keep_inverse=keep_inverse, chunk_offsets=chunk_offsets,
+                                       keep_states=keep_states)
             if keep_inverse:
                 *out, inverse = out
                 kept = segments.Kept(inverse=inverse)

@@ -117,3 +117,11 @@ def check_cp_arguments(intra_cp, cp_warmup) -> None:
         raise TypeError(f"cp_warmup must be a negative number (log-decay threshold) or None, got {cp_warmup!r}")
     if cp_warmup is not None and not cp_warmup < 0:
         raise ValueError(f"cp_warmup must be < 0 (a log-decay threshold), got {cp_warmup}")
+
+
+def check_keep_states(keep_states) -> None:
+    if isinstance(keep_states, bool) or keep_states == "auto":
+        return
+    if isinstance(keep_states, str):
+        raise ValueError(f"keep_states must be 'auto', True or False, got {keep_states!r}")
+    raise TypeError(f"keep_states must be 'auto', True or False, got {type(keep_states).__name__} {keep_states!r}")

@@ -1,11 +1,13 @@
 """The public op: chunk_gated_delta_rule (FLA-compatible signature)."""
 from __future__ import annotations
 
+import os
+
 import torch
 
 from ..cp.plan import resolve_segment_chunks
 from . import backends
-from .checks import check_inputs, check_cp_arguments
+from .checks import check_cp_arguments, check_inputs, check_keep_states
 from .options import (apply_input_options, check_gate_parameters, input_options, state_to_caller_layout,
                       state_to_op_layout)
 from .torch_backend import make_plan
@@ -14,15 +16,16 @@ from .torch_backend import make_plan
 class ChunkGatedDeltaRuleFunction(torch.autograd.Function):
     """Saves the inputs (and, on the kernels, the WY inverse when a backward will run, and for intra-card
     segments every segment's entering state and transition product); backward recomputes the per-chunk
-    states (no o, no per-chunk S kept)."""
+    states (no o kept), unless the forward kept them (`keep_states`)."""
 
     @staticmethod
     def forward(ctx, q, k, v, g, beta, initial_state, scale, output_final_state, cu_seqlens, plan, cp_warmup, backend,
-                keep_inverse):
+                keep_inverse, keep_states):
         call = backends.Call(q, k, v, g, beta, initial_state, cu_seqlens)
         # ctx.kept: what this call's backward reuses (segments.Kept, or None)
         o, final_state, ctx.kept = backends.forward(backend, call, scale, output_final_state, plan, cp_warmup,
-                                                    for_backward=True, keep_inverse=keep_inverse)
+                                                    for_backward=True, keep_inverse=keep_inverse,
+                                                    keep_states=keep_states)
         ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens)
         # the backward reuses this call's segmentation plan, so both directions cut the same way
         ctx.scale, ctx.plan, ctx.cp_warmup, ctx.backend = scale, plan, cp_warmup, backend
@@ -35,7 +38,7 @@ class ChunkGatedDeltaRuleFunction(torch.autograd.Function):
         dq, dk, dv, dg, dbeta, dh0 = backends.backward(ctx.backend, call, ctx.scale, ctx.plan, ctx.cp_warmup,
                                                        do.contiguous(), dht, ctx.kept)
         ctx.kept = None
-        return dq, dk, dv, dg, dbeta, dh0, None, None, None, None, None, None, None
+        return dq, dk, dv, dg, dbeta, dh0, None, None, None, None, None, None, None, None
 
 
 def chunk_gated_delta_rule(
@@ -59,11 +62,12 @@ def chunk_gated_delta_rule(
     backend: str = "auto",
     intra_cp: str | int = "auto",
     cp_warmup: float | None = -10.0,
+    keep_states: bool | str = "auto",
     **kwargs,
 ):
     """Gated delta rule, chunked prefill (design doc §1-2). FLA 0.6.0's signature (same positions and
     keywords, so a call written for `fla.ops.gated_delta_rule.chunk_gated_delta_rule` runs unchanged),
-    plus flashqla's keyword-only `backend`, `intra_cp` and `cp_warmup`.
+    plus flashqla's keyword-only `backend`, `intra_cp`, `cp_warmup` and `keep_states`.
 
     Args:
         q, k: [B, T, Hqk, K]. v: [B, T, Hv, V] with Hv a multiple of Hqk (v-head h reads q/k head
@@ -87,6 +91,16 @@ def chunk_gated_delta_rule(
             transition product M; across ranks, a sequence's span on a rank whose gates decay past it for
             EVERY head within fewer chunks than the span has is summarised over its last few chunks with
             M = 0 (its entering-state gradient over its first few), any other span exactly.
+        keep_states: whether a forward on the kernels whose backward will run keeps the state entering every
+            chunk (stored by its walk beside o: 512 bytes per token and v-head more activation memory, bf16),
+            so that the backward does not walk the sequence again to recompute them. "auto" (the default):
+            only when the forward itself runs inside a backward pass, as reentrant activation checkpointing
+            recomputes it (Megatron's `--recompute-granularity full`, DeepSpeed's activation checkpointing,
+            `torch.utils.checkpoint(use_reentrant=True)`), where this call's backward follows at once; never
+            under saved-tensor hooks (non-reentrant checkpointing, CPU offload); the environment variable
+            FLASHQLA_KEEP_STATES=1 (or 0) makes "auto" mean True (False) for code that calls the op itself.
+            True: whenever a backward will run; False: never. Inter-card CP (`cp_context`) and the torch
+            backend recompute them.
         **kwargs: FLA's `chunk_size` (64 only), `use_gate_in_kernel` with `A_log` and `dt_bias` (g is
             then the raw gate input), the deprecated `transpose_state_layout` (see flashqla/ops/options.py).
 
@@ -98,17 +112,19 @@ def chunk_gated_delta_rule(
     flags = (use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first, kwargs)
     if cp_context is not None:
         return _with_cp_context(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, flags,
-                                backend, intra_cp, cp_warmup, cp_context)
+                                backend, intra_cp, cp_warmup, keep_states, cp_context)
     options = input_options(*flags)
     initial_state = state_to_op_layout(options, initial_state)
     bounds = check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, backend, cu_seqlens_cpu)
     check_gate_parameters(options, g)
     check_cp_arguments(intra_cp, cp_warmup)
+    check_keep_states(keep_states)
     scale, q, k, v, g, beta = _prepare(scale, options, q, k, v, g, beta)
     plan, name = _plan_and_backend(q, k, v, g, beta, initial_state, cu_seqlens, bounds, backend, intra_cp)
+    keep_inverse = _keeps_inverse(q, k, v, g, beta, initial_state)
     o, final_state = ChunkGatedDeltaRuleFunction.apply(
         q, k, v, g, beta, initial_state, float(scale), bool(output_final_state), cu_seqlens, plan, cp_warmup, name,
-        _keeps_inverse(q, k, v, g, beta, initial_state)
+        keep_inverse, keep_inverse and _keeps_states(keep_states)
     )
     return o, state_to_caller_layout(options, final_state)
 
@@ -117,8 +133,9 @@ chunk_gdn = chunk_gated_delta_rule  # FLA's alias
 
 
 def _with_cp_context(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, flags, backend,
-                     intra_cp, cp_warmup, cp_context):
-    """Inter-card CP: validate, make every rank of the group agree (or all raise), then run the chain."""
+                     intra_cp, cp_warmup, keep_states, cp_context):
+    """Inter-card CP: validate, make every rank of the group agree (or all raise), then run the chain (which
+    recomputes the per-chunk states in the backward whatever keep_states says)."""
     from ..cp import inter
 
     error = None
@@ -127,6 +144,7 @@ def _with_cp_context(q, k, v, g, beta, scale, initial_state, output_final_state,
         check_inputs(q, k, v, g, beta, scale, initial_state, None, backend)
         check_gate_parameters(options, g)
         check_cp_arguments(intra_cp, cp_warmup)
+        check_keep_states(keep_states)
         error = inter.local_error(cp_context, q, cu_seqlens, initial_state, output_final_state)
     except (TypeError, ValueError) as exc:
         error = str(exc)
@@ -144,6 +162,36 @@ def _keeps_inverse(*inputs) -> bool:
     backward will run, which the autograd Function's forward cannot tell (grad mode is off inside it)."""
     return (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs)
             and backends.keeps_inverse())
+
+
+KEEP_STATES_ENV = "FLASHQLA_KEEP_STATES"
+
+
+def _keeps_states(keep_states: bool | str) -> bool:
+    """keep_states resolved for a forward whose backward will run: "auto" is what FLASHQLA_KEEP_STATES says
+    (1/on/true/yes or 0/off/false/no: for frameworks that call the op themselves) and, when it is unset or
+    "auto", `recomputed_in_backward`."""
+    if keep_states != "auto":
+        return keep_states
+    setting = os.environ.get(KEEP_STATES_ENV, "auto").strip().lower()
+    if setting in ("1", "on", "true", "yes", "0", "off", "false", "no"):
+        return setting in ("1", "on", "true", "yes")
+    if setting != "auto":
+        raise ValueError(f"{KEEP_STATES_ENV} must be auto, 1/on/true/yes or 0/off/false/no, got {setting!r}")
+    return recomputed_in_backward()
+
+
+def recomputed_in_backward() -> bool:
+    """Whether this forward runs inside a backward pass with no saved-tensor hooks in force: reentrant
+    activation checkpointing recomputing it, whose backward of this call runs next (kept states live from here
+    to there). Non-reentrant checkpointing recomputes under saved-tensor hooks and reads back only what they
+    saved (the Function's own kept tensors would be computed for nothing), and hooks such as CPU offload mean
+    memory matters more than time: False under any. False too where torch lacks either query."""
+    graph_task = getattr(torch._C, "_current_graph_task_id", None)
+    top_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    if graph_task is None or top_hooks is None:
+        return False
+    return graph_task() != -1 and top_hooks(False) is None
 
 
 def _prepare(scale, options, q, k, v, g, beta):

@@ -3,7 +3,8 @@
 Dispatch contract (flashqla/ops/backends.py):
     unsupported_reason(q, k, v, g, beta, initial_state, cu_seqlens) -> str | None
     chunk_gdn_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens) -> (o, ht | None)
-        (keep_inverse=True: a third item, the KeptInverse for the backward)
+        (keep_inverse=True: a third item, the KeptInverse for the backward; keep_states=True: carrying the
+        per-chunk states the fused walk stored beside O, so that the backward recomputes none)
     chunk_gdn_bwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht, kept=None)
         -> (dq, dk, dv, dg, dbeta, dh0)
 
@@ -25,13 +26,14 @@ from __future__ import annotations
 import torch
 
 from .backward import (backward_of, chunk_gdn_bwd, entering_state_gradients, output_gradient,
-                       state_gradients)
+                       state_gradients, take_states)
 from .launch import (HEAD_DIM, KeptInverse, block_v_for, chunk_gdn_fwd, fold_segments, fused_forward, output, prepare,
-                     prepare_from_kept, segment_masks, summaries, walk, walks_exceed_a_wave)
+                     prepare_from_kept, segment_masks, states_buffer, summaries, walk, walks_exceed_a_wave)
 
 __all__ = ["unsupported_reason", "chunk_gdn_fwd", "chunk_gdn_bwd", "block_v_for", "prepare", "prepare_from_kept",
            "KeptInverse", "walk", "summaries", "output", "fused_forward", "fold_segments", "state_gradients",
-           "backward_of", "output_gradient", "entering_state_gradients", "segment_masks", "walks_exceed_a_wave"]
+           "backward_of", "output_gradient", "entering_state_gradients", "segment_masks", "walks_exceed_a_wave",
+           "states_buffer", "take_states"]
 
 _DTYPES = (torch.bfloat16, torch.float16)
 

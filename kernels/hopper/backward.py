@@ -3,6 +3,7 @@
     (wy_inverse)          GA = Gamma o A and the chunk-local cumulative gates: the forward's, kept
                           (`KeptInverse`), or recomputed (the forward's build) when it kept none
     fused_fwd (states)    the state entering every chunk (input dtype): the forward's walk again, without O
+                          (none when the forward kept its states, `keep_states`)
     chunk_dstates         the reverse walk: the gradient of the state leaving every chunk, and dS0
                           (beside the state walk on a second stream when one walk leaves SMs idle, and
                           with intra-card CP's mirror scan before it while the states are recomputed)
@@ -100,12 +101,14 @@ def state_gradients(x: ChunkedCall, do: torch.Tensor, scale: float, dht, store_d
 STATES_BESIDE_CHAIN_ENV = "FLASHQLA_STATES_BESIDE_CHAIN"
 
 
-def backward_of(x: ChunkedCall, q, k, v, g, beta, do, scale, h0, dht):
+def backward_of(x: ChunkedCall, q, k, v, g, beta, do, scale, h0, dht, states=None):
     """Gradients of the sequences of `x` (`prepare`d, or from a kept inverse) from dO
     (`output_gradient`) with the output scale, their initial states h0 and the gradients dht of their
     final states (fp32 [N, Hv, 128, 128] or None, or a function of no arguments that returns them, which runs on
     the current stream, beside the state recompute where that runs on a second stream): (dq, dk, dv, dg, dbeta)
     shaped and typed like q, k, v, g, beta, and dS0 fp32 [N, Hv, 128, 128].
+    states: the state entering every chunk when the forward kept it (`KeptInverse.states`, which the caller
+    hands over: taken off the KeptInverse, it is released with dh): no recompute.
     Releases the per-chunk states before the sums: T x Hv x 1 KB (h and dh) less held there."""
     B, T, Hqk, D = q.shape
     Hv = v.shape[2]
@@ -115,7 +118,10 @@ def backward_of(x: ChunkedCall, q, k, v, g, beta, do, scale, h0, dht):
     def reverse_walk():
         return state_gradients(x, do, scale, dht() if deferred else dht)
 
-    if device.type == "cuda" and deferred and switched_on(STATES_BESIDE_CHAIN_ENV):
+    if states is not None:
+        (dh, dS0), h = reverse_walk(), states
+        del states
+    elif device.type == "cuda" and deferred and switched_on(STATES_BESIDE_CHAIN_ENV):
         # the states into memory of the current stream's pool (from the side stream's, they would stay reserved
         # for it between calls), recomputed on the side stream while the chain and the reverse walk run here
         h = states_buffer(x)
@@ -150,6 +156,16 @@ def backward_of(x: ChunkedCall, q, k, v, g, beta, do, scale, h0, dht):
             dg.t().reshape(g.shape).to(g.dtype), dbeta.view(beta.shape).to(beta.dtype), dS0)
 
 
+def take_states(kept) -> torch.Tensor | None:
+    """The per-chunk states a forward kept on its `KeptInverse` (or None), taken off it: the backward holds the
+    only reference and releases them after `chunk_bwd_local` (a second backward of the same graph, which the
+    autograd Function gives no kept inverse, recomputes them)."""
+    if kept is None or kept.states is None:
+        return None
+    states, kept.states = kept.states, None
+    return states
+
+
 def chunk_gdn_bwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht, kept=None, chunk_offsets=None):
     """Gradients (dq, dk, dv, dg, dbeta, dh0) of `chunk_gdn_fwd`'s o (upstream `do`) and final state (`dht`).
 
@@ -161,7 +177,8 @@ def chunk_gdn_bwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht, k
         x = prepare(q, k, v, g, beta, cu_seqlens, chunk_offsets)
     else:
         x = prepare_from_kept(q, k, v, kept, cu_seqlens, chunk_offsets)
-    *grads, dS0 = backward_of(x, q, k, v, g, beta, output_gradient(x, do), scale, initial_state, dht)
+    *grads, dS0 = backward_of(x, q, k, v, g, beta, output_gradient(x, do), scale, initial_state, dht,
+                              states=take_states(kept))
     return (*grads, None if initial_state is None else dS0.to(initial_state.dtype))
 
 

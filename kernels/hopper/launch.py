@@ -229,11 +229,14 @@ def chunk_offsets_of(cu_seqlens: torch.Tensor) -> torch.Tensor:
 class KeptInverse:
     """What a forward keeps for its backward, so that the backward computes no second `wy_inverse`: its own
     operand GA, the cumulative gates and the fp32 beta the walks read, 132 bytes per token and v-head (bf16;
-    136 when beta is not fp32 already) and nothing extra to write (FlashQLA 0.1.3 keeps its A likewise)."""
+    136 when beta is not fp32 already) and nothing extra to write (FlashQLA 0.1.3 keeps its A likewise).
+    With `keep_states` also the state entering every chunk, which its fused walk stored beside O (512 bytes
+    more per token and v-head), so that the backward runs no state recompute."""
 
     GA: torch.Tensor  # [T, Hv, 64]  Gamma o A
     gcum: torch.Tensor  # [Hv, T] fp32 chunk-local cumulative gate (natural log)
     beta: torch.Tensor  # [T, Hv] fp32: beta itself when it is fp32, else the copy the forward's wy_inverse wrote
+    states: torch.Tensor | None = None  # [chunk_slots, Hv, 128, 128] in the input dtype, as `fused_states` makes
 
 
 @dataclass
@@ -259,9 +262,10 @@ class ChunkedCall:
     def num_v_heads(self) -> int:
         return self.gcum.shape[0]
 
-    def kept(self) -> KeptInverse:
-        """The inverse this call's backward can start from (`prepare_from_kept`)."""
-        return KeptInverse(self.GA, self.gcum, self.beta)
+    def kept(self, states: torch.Tensor | None = None) -> KeptInverse:
+        """The inverse this call's backward can start from (`prepare_from_kept`), and the per-chunk states when
+        the forward stored them (`fused_forward` with `states`)."""
+        return KeptInverse(self.GA, self.gcum, self.beta, states)
 
 
 def _layout(q, cu_seqlens, chunk_offsets):
@@ -429,7 +433,7 @@ def output(x: ChunkedCall, h, vnew, scale: float) -> torch.Tensor:
 
 
 def chunk_gdn_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, fused=True,
-                  keep_inverse=False, chunk_offsets=None):
+                  keep_inverse=False, chunk_offsets=None, keep_states=False):
     """Forward of GDN chunked prefill on SM90. Inputs validated and contiguous by the caller.
 
     q, k [B, T, Hqk, 128]; v [B, T, Hv, 128]; g fp32 [B, T, Hv] (natural log); beta [B, T, Hv];
@@ -437,7 +441,8 @@ def chunk_gdn_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu
     `chunk_offsets_of(cu_seqlens)` when the caller keeps it for the layout (else computed on the device).
     Returns o [B, T, Hv, 128] in q's dtype and the fp32 final state [N, Hv, 128, 128] or None, and with
     keep_inverse a third item, the `KeptInverse` for `chunk_gdn_bwd` (references to the forward's own GA, gates
-    and fp32 beta: nothing more is computed or stored).
+    and fp32 beta: nothing more is computed or stored); with keep_states as well (fused only) it carries the
+    state entering every chunk, stored by the fused walk beside O.
 
     Fused (the default): wy_inverse, then fused_fwd (one walk computing the outputs too). fused=False runs
     the split decomposition instead, wy_inverse, chunk_states (the serial walk storing every chunk's state
@@ -449,13 +454,16 @@ def chunk_gdn_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu
     """
     if not isinstance(fused, bool):  # None once meant "by shape"; it must not quietly mean the split path
         raise TypeError(f"fused must be True or False, got {fused!r}")
+    if keep_states and not (fused and keep_inverse):
+        raise ValueError("keep_states needs the fused walk and keep_inverse (the states ride on the KeptInverse)")
     x = prepare(q, k, v, g, beta, cu_seqlens, chunk_offsets)
+    states = states_buffer(x) if keep_states else None
     if fused:
-        o, ht = fused_forward(x, v, initial_state, scale, output_final_state)
+        o, ht = fused_forward(x, v, initial_state, scale, output_final_state, states)
     else:
         h, vnew, ht = walk(x, initial_state, store_final=output_final_state)
         o = output(x, h, vnew, scale)
-    return (o.view(v.shape), ht, x.kept()) if keep_inverse else (o.view(v.shape), ht)
+    return (o.view(v.shape), ht, x.kept(states)) if keep_inverse else (o.view(v.shape), ht)
 
 
 @functools.lru_cache(maxsize=16)
@@ -465,16 +473,17 @@ def _no_states(num_v_heads: int, dtype: torch.dtype, device: torch.device) -> to
     return torch.empty(1, num_v_heads, HEAD_DIM, HEAD_DIM, dtype=dtype, device=device)
 
 
-def fused_forward(x: ChunkedCall, v, h0, scale: float, store_final: bool):
+def fused_forward(x: ChunkedCall, v, h0, scale: float, store_final: bool, states: torch.Tensor | None = None):
     """fused_fwd over every sequence of `x` from h0 (fp32 [N, Hv, 128, 128] or None): (O [T, Hv, 128],
-    final fp32 states or None)."""
+    final fp32 states or None). states: `states_buffer(x)`, into which the walk also stores the state entering
+    every chunk (what `fused_states` recomputes), or None."""
     h0_arg, ht, ht_arg = _state_buffers(x, h0, store_final)
     v3 = v.reshape(-1, x.num_v_heads, HEAD_DIM)
     o = torch.empty_like(v3)
-    no_states = _no_states(x.num_v_heads, v3.dtype, v3.device)
+    h_out = _no_states(x.num_v_heads, v3.dtype, v3.device) if states is None else states
     compiled_fused_fwd(x.dtype, block_v_on(x.q.device, x.num_seqs, x.num_v_heads))(
-        x.q, x.k, v3, x.GA, x.beta, x.gcum, x.cu, x.offsets, h0_arg, o, ht_arg, no_states, float(scale),
-        int(h0 is not None), int(store_final), 0)
+        x.q, x.k, v3, x.GA, x.beta, x.gcum, x.cu, x.offsets, h0_arg, o, ht_arg, h_out, float(scale),
+        int(h0 is not None), int(store_final), 0 if states is None else 2)
     return o, ht
 
 

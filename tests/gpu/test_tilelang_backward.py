@@ -132,6 +132,45 @@ def test_backward_that_recomputes_the_inverse(intra_cp, poisoned_outputs, monkey
     assert_grads_match(make_call([1, 65, 64, 130, 7, 200, 1, 129], 2, 6, seed=8), intra_cp=intra_cp)
 
 
+def kept_against_recomputed(call, intra_cp, seed):
+    """(kept, recomputed): o, the final state and every gradient of one (dO, dht) drawn from `seed`, with
+    keep_states=True (the forward's walk stores the per-chunk states beside O, the backward reads them) and False
+    (the backward recomputes them)."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    v = call["v"]
+    N = len(call["cu_seqlens"]) - 1 if call["cu_seqlens"] is not None else v.shape[0]
+    do = torch.randn(v.shape, generator=gen, device="cuda").to(v.dtype)
+    dht = torch.randn(N, v.shape[2], D, D, generator=gen, device="cuda") * 0.1
+    runs = []
+    for keep_states in (True, False):
+        leaves = {n: call[n].detach().clone().requires_grad_(True) for n in NAMES if call.get(n) is not None}
+        o, ht = flashqla.chunk_gated_delta_rule(
+            leaves["q"], leaves["k"], leaves["v"], leaves["g"], leaves["beta"],
+            initial_state=leaves.get("initial_state"), output_final_state=True, cu_seqlens=call["cu_seqlens"],
+            backend="tilelang", intra_cp=intra_cp, keep_states=keep_states)
+        grads = torch.autograd.grad([o, ht], list(leaves.values()), [do, dht])
+        runs.append({"o": o, "ht": ht, **{f"d{n}": g for n, g in zip(leaves, grads)}})
+    return runs
+
+
+@pytest.mark.parametrize("intra_cp", ["off", 3])
+@pytest.mark.parametrize("lengths,Hv", [([1, 65, 64, 130, 7, 200, 1, 129], 6), ([333] * 24 + [1, 64], 8)],
+                         ids=["narrow-tiles", "tile-128"])
+def test_forward_that_keeps_its_states(intra_cp, lengths, Hv, poisoned_outputs):
+    """keep_states=True: fused_fwd stores the state entering every chunk beside O (store_states 2: TMA stores from
+    the output warpgroup) into a NaN-poisoned buffer, and the backward reads it instead of walking again. o, the
+    final state and every gradient are bitwise those of keep_states=False (store_states 1 recomputes the same
+    states), at narrow V tiles (few walks) and at 128 (26 x 8 walks, and with segments more), unsegmented and
+    with intra-card segments; the small pack also against the float64 recurrence."""
+    call = make_call(lengths, 2, Hv, seed=50 + Hv)
+    if Hv == 6:
+        assert_grads_match(call, intra_cp=intra_cp, keep_states=True)
+    kept, recomputed = kept_against_recomputed(call, intra_cp, 51)
+    for name in recomputed:
+        assert not kept[name].isnan().any(), f"{name} has NaN (an unwritten state slot)"
+        assert torch.equal(kept[name], recomputed[name]), f"{name} differs with the states kept"
+
+
 def test_32k_sequence_against_float64_chunked_reference():
     """512 chunks: the long-sequence precision check. Oracle: the torch backend in float64 (itself checked
     against the token recurrence on CPU), on the same bf16 inputs."""
