@@ -246,3 +246,32 @@ def test_packed_offsets_are_checked_on_the_host_once_per_tensor(monkeypatch):
     module.cp_size = 2
     with pytest.raises(ValueError, match="divisible by cp_size=2"):
         module._packed_cu_seqlens(packed, 121, 1)
+
+
+def test_megatron_full_recompute_keeps_the_recomputed_forwards_states(monkeypatch):
+    """Under Megatron's activation recompute (`tensor_parallel.checkpoint`, reentrant: what
+    `--recompute-granularity full` wraps each layer in) the module's first forward runs without grad (nothing is
+    kept for a backward) and the recompute inside the backward asks the op to keep its per-chunk states (the
+    default keep_states="auto"); a plain forward and backward does not. Outputs and gradients are unchanged."""
+    from megatron.core import tensor_parallel
+
+    from flashqla.ops import backends
+
+    asked = []
+    real_forward = backends.forward
+    monkeypatch.setattr(backends, "forward", lambda *a, **kw: asked.append(kw.get("keep_states")) or real_forward(*a, **kw))
+    torch.manual_seed(3)
+    module = h.build_flashqla_gdn(h.gdn_config())
+    x, grad_out = torch.randn(70, 2, 32), torch.randn(70, 2, 32)
+    out, dx, grads = run(module, x, grad_out)
+    assert asked == [False]
+    asked.clear()
+
+    x_r = x.detach().clone().requires_grad_(True)
+    module.zero_grad(set_to_none=True)
+    out_r = tensor_parallel.checkpoint(lambda inp: module(inp, None)[0], False, x_r)
+    out_r.backward(grad_out)
+    assert asked == [False, True]
+    assert torch.equal(out, out_r.detach()) and torch.equal(dx, x_r.grad)
+    for name, p in module.named_parameters():
+        assert torch.equal(grads[name], p.grad), name
