@@ -5,6 +5,7 @@ Covers the split and fused forwards, intra-card segments on the kernel path, the
 segmented), and the inter-card summaries and entering-state gradients. Inputs are bf16 (what the kernels take); the emulators compute in fp64, so
 the limits are bf16's (the kernels' own precision is tested on the H200 in tests/gpu).
 """
+import contextlib
 import itertools
 
 import pytest
@@ -385,6 +386,10 @@ def _cp_work_order(rank, world):
     ctx = build_cp_context(cu, group=dist.group.WORLD, layout="contiguous")
     o, _ = flashqla.chunk_gated_delta_rule(**local, cp_context=ctx, backend="tilelang", intra_cp=2, cp_warmup=None)
     forward_events = list(events)
+    # what the forward keeps (each local call's starts, inverse and entering state) is in the saved tensors, where
+    # saved-tensor hooks see it, not on the context (which holds the CP context, the caller's)
+    assert not _holds_tensor(o.grad_fn.kept_layouts)
+    assert not any(_holds_tensor(vars(call)) for call in o.grad_fn.calls)
     events.clear()
     o.float().sum().backward()
     patches.undo()
@@ -925,3 +930,91 @@ def test_keep_states_must_be_auto_true_or_false(value, error):
     args, _ = call([64], Hqk=1, Hv=1, with_h0=False)
     with pytest.raises(error, match="keep_states"):
         flashqla.chunk_gated_delta_rule(*(args[n] for n in NAMES), keep_states=value)
+
+
+@pytest.mark.parametrize("intra_cp", ["off", 2])
+def test_what_the_forward_keeps_goes_through_saved_tensor_hooks(hopper, monkeypatch, intra_cp):
+    """The kept WY inverse (GA [T, Hv, 64], the gates), the segments' starts and the kept states are saved with
+    save_for_backward, not held on the autograd context: saved-tensor hooks see every one of them (CPU offload
+    moves them, non-reentrant checkpointing drops them after the forward), nothing tensor-valued is left on the
+    node, and the backward's gradients through the hooks are those without hooks, bit for bit."""
+    import flashqla
+    from flashqla.ops import backends
+
+    monkeypatch.setattr(backends, "tilelang_unsupported_reason", lambda call: None)
+    args, cu = call([200, 1, 129, 300], Hqk=2, Hv=4, seed=25)
+    T, Hv = args["v"].shape[1], args["v"].shape[2]
+    gen = torch.Generator().manual_seed(26)
+    do = torch.randn(args["v"].shape, generator=gen).bfloat16()
+    names = NAMES + ("initial_state",)
+
+    def fwd_bwd(hooks, keep_states):
+        leaves = {n: args[n].clone().requires_grad_(True) for n in names}
+        packed = []
+
+        def pack(t):
+            packed.append(tuple(t.shape))
+            return t.clone()  # a copy, as an offload hook hands back
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t) if hooks else contextlib.nullcontext():
+            o, _ = flashqla.chunk_gated_delta_rule(**leaves, cu_seqlens=cu, backend="tilelang", intra_cp=intra_cp,
+                                                   keep_states=keep_states)
+        held = [name for name, value in vars(o.grad_fn).items() if _holds_tensor(value)]
+        o.backward(do)
+        return packed, held, [leaves[n].grad for n in names]
+
+    states_shaped = lambda packed: sorted(s for s in packed if len(s) == 4 and s[1:] == (Hv, 128, 128))  # noqa: E731
+    walked = fwd_bwd(hooks=True, keep_states=False)
+    kept = fwd_bwd(hooks=True, keep_states=True)
+    for packed, held, grads in (walked, kept):
+        assert held == []
+        assert (T, Hv, 64) in packed and (Hv, T) in packed  # GA and the cumulative gates
+        for a, b in zip(grads, fwd_bwd(hooks=False, keep_states=False)[2]):
+            assert torch.equal(a, b)
+    # the kept states ([chunk slots, Hv, 128, 128]) on top of h0 (and, segmented, S_{j,0} and M)
+    extra = list(states_shaped(kept[0]))
+    for shape in states_shaped(walked[0]):
+        extra.remove(shape)
+    assert len(extra) == 1 and extra[0][0] > args["initial_state"].shape[0], extra
+
+
+def _holds_tensor(value) -> bool:
+    if isinstance(value, torch.Tensor):
+        return True
+    if isinstance(value, (list, tuple)):
+        return any(_holds_tensor(v) for v in value)
+    if isinstance(value, dict):
+        return any(_holds_tensor(v) for v in value.values())
+    return (hasattr(value, "__dataclass_fields__") and not isinstance(value, type)
+            and any(_holds_tensor(getattr(value, f)) for f in value.__dataclass_fields__))
+
+
+@pytest.mark.parametrize("intra_cp", ["off", 2])
+def test_non_reentrant_checkpointing_recomputes_what_the_forward_keeps(hopper, monkeypatch, intra_cp):
+    """Under torch.utils.checkpoint(use_reentrant=False) the kept tensors are dropped after the forward and come
+    back from the recompute (its saved tensors match the forward's in number and metadata, or checkpointing
+    would raise), and the gradients are those of the plain run, bit for bit; FLASHQLA_KEEP_STATES=1 keeps the
+    states in both forwards alike."""
+    import flashqla
+    from flashqla.ops import backends
+    from torch.utils.checkpoint import checkpoint
+
+    monkeypatch.setattr(backends, "tilelang_unsupported_reason", lambda call: None)
+    args, cu = call([200, 1, 129, 300], Hqk=2, Hv=4, with_h0=False, seed=27)
+    gen = torch.Generator().manual_seed(28)
+    do = torch.randn(args["v"].shape, generator=gen).bfloat16()
+
+    def op(q, k, v, g, beta):
+        return flashqla.chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens=cu, backend="tilelang",
+                                               intra_cp=intra_cp)[0]
+
+    def grads(checkpointed):
+        leaves = [args[n].clone().requires_grad_(True) for n in NAMES]
+        o = checkpoint(op, *leaves, use_reentrant=False) if checkpointed else op(*leaves)
+        o.backward(do)
+        return [leaf.grad for leaf in leaves]
+
+    plain = grads(False)
+    for setting in ("auto", "1"):
+        monkeypatch.setenv("FLASHQLA_KEEP_STATES", setting)
+        for a, b in zip(grads(True), plain):
+            assert torch.equal(a, b)

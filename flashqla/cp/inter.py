@@ -42,6 +42,7 @@ import torch.distributed as dist
 
 from ..ops import backends, reference, torch_backend
 from . import span
+from .segments import Kept
 from .context import CPContext, gather_host_values
 
 
@@ -208,16 +209,28 @@ class InterCardCPFunction(torch.autograd.Function):
             call.initial_state = S_enter[call.entering].unsqueeze(0)
             outputs[call.start], _, call.kept = finish(call.initial_state)
         # M of a sequence spanning a whole part is also that part's M'_p in backward (0 where the warmup
-        # dropped it, and the backward's D then takes the warmup too: span.py): keep it
-        ctx.save_for_backward(q, k, v, g, beta, M)
+        # dropped it, and the backward's D then takes the warmup too: span.py): keep it. Every call's initial
+        # state and kept tensors are saved with it (save_for_backward: saved-tensor hooks see them), not on ctx
+        kept_tensors, ctx.kept_layouts = [], []
+        for call in calls:
+            tensors, layout = ((), None) if call.kept is None else call.kept.to_saved()
+            kept_tensors += [call.initial_state, *tensors]
+            ctx.kept_layouts.append((len(tensors), layout))
+            call.initial_state = call.kept = None
+        ctx.save_for_backward(q, k, v, g, beta, M, *kept_tensors)
         ctx.scale, ctx.cp, ctx.plan, ctx.cp_warmup, ctx.backend, ctx.calls = scale, cp, plan, cp_warmup, backend, calls
         return _joined([outputs[call.start] for call in calls])
 
     @staticmethod
     def backward(ctx, do):
-        q, k, v, g, beta, M_spanning = ctx.saved_tensors
+        q, k, v, g, beta, M_spanning, *kept_tensors = ctx.saved_tensors
         cp, scale, plan, warmup, backend, calls = ctx.cp, ctx.scale, ctx.plan, ctx.cp_warmup, ctx.backend, ctx.calls
-        ctx.calls = None  # the kept starts are freed with the backward
+        position = 0
+        for call, (count, layout) in zip(calls, ctx.kept_layouts):
+            call.initial_state = kept_tensors[position]
+            tensors = kept_tensors[position + 1:position + 1 + count]
+            call.kept = None if layout is None else Kept.from_saved(layout, tensors)
+            position += 1 + count
         do = do.contiguous()
         Hv, K, V = v.shape[2], q.shape[3], v.shape[3]
         D = torch.zeros((len(cp.pieces), Hv, K, V), dtype=reference.work_dtype(q), device=q.device)
@@ -255,6 +268,8 @@ class InterCardCPFunction(torch.autograd.Function):
             dht[-1] = X[call.leaving]
             grads[call.start] = finish(dht)
         dq, dk, dv, dg, dbeta = (_joined([grads[call.start][i] for call in calls]) for i in range(5))
+        for call in calls:  # the saved tensors are the context's alone again
+            call.initial_state = call.kept = None
         return dq, dk, dv, dg, dbeta, None, None, None, None, None, None
 
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 import functools
 import itertools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -39,10 +39,30 @@ from .plan import SegmentPlan
 class Kept:
     """What a forward on the kernels leaves for its backward (flashqla/ops/backends.py): the segments'
     (S_{j,0}, M_j, exact) (None unsegmented, or not kept) and the WY inverse (the kernels' `KeptInverse`: GA,
-    the cumulative gates and fp32 beta, so the backward runs no second wy_inverse; None: recomputed)."""
+    the cumulative gates and fp32 beta, so the backward runs no second wy_inverse; None: recomputed).
+
+    An autograd Function saves its tensors with `save_for_backward` (`to_saved` / `from_saved`), never as
+    attributes of its context: saved-tensor hooks then see them, so non-reentrant activation checkpointing drops
+    them after the forward and recomputes them for the backward, and CPU offload moves them, as it does the
+    inputs."""
 
     starts: tuple | None = None
     inverse: object = None
+
+    def to_saved(self) -> tuple[tuple, tuple]:
+        """(tensors, layout): the tensors to save (None entries kept), and what `from_saved` needs besides them."""
+        starts = () if self.starts is None else tuple(self.starts)
+        inverse = () if self.inverse is None else tuple(getattr(self.inverse, f.name) for f in fields(self.inverse))
+        layout = (self.starts is not None, len(starts), None if self.inverse is None else type(self.inverse))
+        return starts + inverse, layout
+
+    @staticmethod
+    def from_saved(layout: tuple, tensors) -> Kept:
+        """The Kept that `to_saved` took apart, from its layout and its tensors as the context returns them."""
+        has_starts, num_starts, inverse_type = layout
+        starts = tuple(tensors[:num_starts]) if has_starts else None
+        inverse = None if inverse_type is None else inverse_type(*tensors[num_starts:])
+        return Kept(starts, inverse)
 
 
 @dataclass(frozen=True)
@@ -333,7 +353,7 @@ def backward_prologue(hopper, q, k, v, g, beta, scale, initial_state, plan: Segm
         last_chunks = _reverse_walk_last_chunks(idx, x.gcum, cp_warmup)
     _, D = hopper.state_gradients(x, do, scale, None, store_dh=False, last_chunks=last_chunks)
     return BackwardPrologue(idx, packed, x, starts, do, scale, D, tuple(t.shape for t in (q, k, v, g, beta)),
-                            initial_state is not None, hopper.take_states(kept.inverse))
+                            initial_state is not None, None if kept.inverse is None else kept.inverse.states)
 
 
 def backward_finish(hopper, pro: BackwardPrologue, dht):
@@ -346,8 +366,7 @@ def backward_finish(hopper, pro: BackwardPrologue, dht):
             return pro.exits_without_dht
         return exit_gradients(hopper, pro.D, M, exact, pro.idx, dht)
 
-    states, pro.states = pro.states, None  # released with the backward's dh
-    *grads, dS0 = hopper.backward_of(pro.x, *pro.packed, pro.do, pro.scale, S0, exits, states)
+    *grads, dS0 = hopper.backward_of(pro.x, *pro.packed, pro.do, pro.scale, S0, exits, pro.states)
     grads = [grad.view(shape) for grad, shape in zip(grads, pro.shapes)]
     return (*grads, dS0[pro.idx.first] if pro.has_h0 else None)
 

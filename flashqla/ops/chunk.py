@@ -6,6 +6,7 @@ import os
 import torch
 
 from ..cp.plan import resolve_segment_chunks
+from ..cp.segments import Kept
 from . import backends
 from .checks import check_cp_arguments, check_inputs, check_keep_states
 from .options import (apply_input_options, check_gate_parameters, input_options, state_to_caller_layout,
@@ -16,28 +17,30 @@ from .torch_backend import make_plan
 class ChunkGatedDeltaRuleFunction(torch.autograd.Function):
     """Saves the inputs (and, on the kernels, the WY inverse when a backward will run, and for intra-card
     segments every segment's entering state and transition product); backward recomputes the per-chunk
-    states (no o kept), unless the forward kept them (`keep_states`)."""
+    states (no o kept), unless the forward kept them (`keep_states`). Everything is saved through
+    `save_for_backward` (`segments.Kept.to_saved`), so saved-tensor hooks (non-reentrant checkpointing, CPU
+    offload) see all of it."""
 
     @staticmethod
     def forward(ctx, q, k, v, g, beta, initial_state, scale, output_final_state, cu_seqlens, plan, cp_warmup, backend,
                 keep_inverse, keep_states):
         call = backends.Call(q, k, v, g, beta, initial_state, cu_seqlens)
-        # ctx.kept: what this call's backward reuses (segments.Kept, or None)
-        o, final_state, ctx.kept = backends.forward(backend, call, scale, output_final_state, plan, cp_warmup,
-                                                    for_backward=True, keep_inverse=keep_inverse,
-                                                    keep_states=keep_states)
-        ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens)
+        # kept: what this call's backward reuses (segments.Kept, or None)
+        o, final_state, kept = backends.forward(backend, call, scale, output_final_state, plan, cp_warmup,
+                                                for_backward=True, keep_inverse=keep_inverse, keep_states=keep_states)
+        kept_tensors, ctx.kept_layout = ((), None) if kept is None else kept.to_saved()
+        ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens, *kept_tensors)
         # the backward reuses this call's segmentation plan, so both directions cut the same way
         ctx.scale, ctx.plan, ctx.cp_warmup, ctx.backend = scale, plan, cp_warmup, backend
         return o, final_state
 
     @staticmethod
     def backward(ctx, do, dht):
-        q, k, v, g, beta, initial_state, cu_seqlens = ctx.saved_tensors
+        q, k, v, g, beta, initial_state, cu_seqlens, *kept_tensors = ctx.saved_tensors
+        kept = None if ctx.kept_layout is None else Kept.from_saved(ctx.kept_layout, kept_tensors)
         call = backends.Call(q, k, v, g, beta, initial_state, cu_seqlens)
         dq, dk, dv, dg, dbeta, dh0 = backends.backward(ctx.backend, call, ctx.scale, ctx.plan, ctx.cp_warmup,
-                                                       do.contiguous(), dht, ctx.kept)
-        ctx.kept = None
+                                                       do.contiguous(), dht, kept)
         return dq, dk, dv, dg, dbeta, dh0, None, None, None, None, None, None, None, None
 
 

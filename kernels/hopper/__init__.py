@@ -26,14 +26,14 @@ from __future__ import annotations
 import torch
 
 from .backward import (backward_of, chunk_gdn_bwd, entering_state_gradients, output_gradient,
-                       state_gradients, take_states)
+                       state_gradients)
 from .launch import (HEAD_DIM, KeptInverse, block_v_for, chunk_gdn_fwd, fold_segments, fused_forward, output, prepare,
                      prepare_from_kept, segment_masks, states_buffer, summaries, walk, walks_exceed_a_wave)
 
 __all__ = ["unsupported_reason", "chunk_gdn_fwd", "chunk_gdn_bwd", "block_v_for", "prepare", "prepare_from_kept",
            "KeptInverse", "walk", "summaries", "output", "fused_forward", "fold_segments", "state_gradients",
            "backward_of", "output_gradient", "entering_state_gradients", "segment_masks", "walks_exceed_a_wave",
-           "states_buffer", "take_states"]
+           "states_buffer"]
 
 _DTYPES = (torch.bfloat16, torch.float16)
 

@@ -107,8 +107,7 @@ def backward_of(x: ChunkedCall, q, k, v, g, beta, do, scale, h0, dht, states=Non
     final states (fp32 [N, Hv, 128, 128] or None, or a function of no arguments that returns them, which runs on
     the current stream, beside the state recompute where that runs on a second stream): (dq, dk, dv, dg, dbeta)
     shaped and typed like q, k, v, g, beta, and dS0 fp32 [N, Hv, 128, 128].
-    states: the state entering every chunk when the forward kept it (`KeptInverse.states`, which the caller
-    hands over: taken off the KeptInverse, it is released with dh): no recompute.
+    states: the state entering every chunk when the forward kept it (`KeptInverse.states`): no recompute.
     Releases the per-chunk states before the sums: T x Hv x 1 KB (h and dh) less held there."""
     B, T, Hqk, D = q.shape
     Hv = v.shape[2]
@@ -120,7 +119,6 @@ def backward_of(x: ChunkedCall, q, k, v, g, beta, do, scale, h0, dht, states=Non
 
     if states is not None:
         (dh, dS0), h = reverse_walk(), states
-        del states
     elif device.type == "cuda" and deferred and switched_on(STATES_BESIDE_CHAIN_ENV):
         # the states into memory of the current stream's pool (from the side stream's, they would stay reserved
         # for it between calls), recomputed on the side stream while the chain and the reverse walk run here
@@ -156,16 +154,6 @@ def backward_of(x: ChunkedCall, q, k, v, g, beta, do, scale, h0, dht, states=Non
             dg.t().reshape(g.shape).to(g.dtype), dbeta.view(beta.shape).to(beta.dtype), dS0)
 
 
-def take_states(kept) -> torch.Tensor | None:
-    """The per-chunk states a forward kept on its `KeptInverse` (or None), taken off it: the backward holds the
-    only reference and releases them after `chunk_bwd_local` (a second backward of the same graph, which the
-    autograd Function gives no kept inverse, recomputes them)."""
-    if kept is None or kept.states is None:
-        return None
-    states, kept.states = kept.states, None
-    return states
-
-
 def chunk_gdn_bwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht, kept=None, chunk_offsets=None):
     """Gradients (dq, dk, dv, dg, dbeta, dh0) of `chunk_gdn_fwd`'s o (upstream `do`) and final state (`dht`).
 
@@ -178,7 +166,7 @@ def chunk_gdn_bwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht, k
     else:
         x = prepare_from_kept(q, k, v, kept, cu_seqlens, chunk_offsets)
     *grads, dS0 = backward_of(x, q, k, v, g, beta, output_gradient(x, do), scale, initial_state, dht,
-                              states=take_states(kept))
+                              states=None if kept is None else kept.states)
     return (*grads, None if initial_state is None else dS0.to(initial_state.dtype))
 
 
