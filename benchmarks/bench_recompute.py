@@ -5,8 +5,10 @@ Two measurements per config, the public op with AutoCP, CUDA-graph replays, medi
 - a step of `torch.utils.checkpoint(use_reentrant=True)` around the op (a no-grad forward, the recompute inside the
   backward, the backward), FLASHQLA_KEEP_STATES=0 against the default "auto" (which keeps the recompute's states):
   what Megatron's full recompute and DeepSpeed's activation checkpointing run per GDN call.
+With --memory, also what one call holds from its forward to its backward beyond its output, plain and under both
+kinds of checkpointing (the memory allocated after the forward of a checkpointed call, less the output).
 
-    python benchmarks/bench_recompute.py [--configs 2:8:32768x1,16:32:4096x8] [--reps 50] [--out recompute.md]
+    python benchmarks/bench_recompute.py [--configs 2:8:32768x1,16:32:4096x8] [--reps 50] [--memory] [--out recompute.md]
 """
 from __future__ import annotations
 
@@ -66,6 +68,37 @@ def time_config(Hqk, Hv, lengths, reps):
     return times
 
 
+def held_mib(Hqk, Hv, lengths) -> list[float]:
+    """MiB one call holds after its forward beyond its output: plain, checkpoint(use_reentrant=False), and
+    checkpoint(use_reentrant=True)."""
+    import flashqla
+
+    q, k, v, g, beta, cu = make_inputs(Hqk, Hv, lengths)
+    leaves = [t.detach().requires_grad_(True) for t in (q, k, v, g, beta)]
+
+    def op(*x):
+        return flashqla.chunk_gated_delta_rule(*x, cu_seqlens=cu, backend="tilelang")[0]
+
+    held = []
+    for run in (lambda: op(*leaves), lambda: checkpoint(op, *leaves, use_reentrant=False),
+                lambda: checkpoint(op, *leaves, use_reentrant=True)):
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        o = run()
+        torch.cuda.synchronize()
+        held.append((torch.cuda.memory_allocated() - base - o.numel() * o.element_size()) / 2**20)
+        o.float().sum().backward()
+        del o  # before the next call's baseline
+    return held
+
+
+def memory_table(rows) -> str:
+    lines = ["| config | held after the forward, plain MiB | checkpoint(use_reentrant=False) | "
+             "checkpoint(use_reentrant=True) |", "|---|---|---|---|"]
+    lines += [f"| {label} | {a:.1f} | {b:.1f} | {c:.1f} |" for label, (a, b, c) in rows]
+    return "\n".join(lines) + "\n"
+
+
 def table(rows) -> str:
     lines = ["| config | forward ms | forward, states stored ms | checkpointed step ms | checkpointed, kept ms | step gain |",
              "|---|---|---|---|---|---|"]
@@ -79,17 +112,21 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--configs", default=CONFIGS, help="Hqk:Hv:TOKENSxSEQS, comma-separated")
     ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--memory", action="store_true", help="also the memory one call holds until its backward")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
-    rows = []
+    rows, memory_rows = [], []
     for Hqk, Hv, lengths in parse_configs(args.configs):
         label = f"({Hqk}, {Hv}) {lengths[0]} x {len(lengths)}"
         rows.append((label, time_config(Hqk, Hv, lengths, args.reps)))
         print(table(rows[-1:]).splitlines()[-1], flush=True)
+        if args.memory:
+            memory_rows.append((label, held_mib(Hqk, Hv, lengths)))
+            print(memory_table(memory_rows[-1:]).splitlines()[-1], flush=True)
         torch.cuda.empty_cache()
     vers = versions()
     report = (f"# keep_states under activation recompute ({datetime.date.today()}, {vers['gpu']}, torch "
-              f"{vers['torch']})\n\n" + table(rows))
+              f"{vers['torch']})\n\n" + table(rows) + (f"\n{memory_table(memory_rows)}" if memory_rows else ""))
     if args.out:
         with open(args.out, "w") as f:
             f.write(report)

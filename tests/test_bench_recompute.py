@@ -20,3 +20,8 @@ def test_configs_parse_and_a_malformed_one_names_itself():
 def test_table_gives_the_store_cost_and_the_step_gain():
     text = bench_recompute.table([("(2, 8) 32768 x 1", (0.25, 0.275, 1.3, 1.25))])
     assert "| (2, 8) 32768 x 1 | 0.250 | 0.275 (+10.0%) | 1.300 | 1.250 | 1.040x |" in text
+
+
+def test_memory_table_gives_what_a_call_holds_under_each_kind_of_checkpointing():
+    text = bench_recompute.memory_table([("(16, 32) 32768 x 1", (168.0, 0.0, 0.0))])
+    assert "| (16, 32) 32768 x 1 | 168.0 | 0.0 | 0.0 |" in text
