@@ -340,6 +340,17 @@ def _inter_card_cp_on_the_kernel_path(rank, world, lengths, intra_cp):
     limits = {"o": TOL, "dq": 1e-2, "dk": 1e-2, "dv": 1e-2, "dg": 2e-2, "dbeta": 2e-2}
     bad = {n: e for n, e in errors.items() if not e <= limits[n]}
     assert not bad, f"rank {rank}/{world}: {bad}"
+    # keep_states: every local walk stores its states beside o (store_states 2), no backward recomputes them, and
+    # the outputs and gradients are the same bits
+    modes = _fused_walk_spy(patches)
+    local = {n: args[n].detach()[:, mine].clone().requires_grad_(True) for n in NAMES}
+    o_kept, _ = flashqla.chunk_gated_delta_rule(**local, cp_context=ctx, backend="tilelang", intra_cp=intra_cp,
+                                                keep_states=True)
+    forward_modes = list(modes)
+    modes.clear()
+    grads_kept = torch.autograd.grad((o_kept.float() * do[:, mine].float()).sum(), [local[n] for n in NAMES])
+    assert forward_modes and set(forward_modes) == {2} and modes == [], (rank, forward_modes, modes)
+    assert torch.equal(o_kept, o) and all(torch.equal(a, b) for a, b in zip(grads_kept, grads)), rank
     patches.undo()
 
 
@@ -350,7 +361,8 @@ def test_inter_card_cp_on_the_kernel_path_equals_one_process(world, lengths, int
     """gloo ranks, a pack whose middle sequence crosses the cuts, on the (emulated) kernels: summaries,
     exchange, the local kernel forward with the entering state, D_p and the kernel backward. With three
     ranks the middle one holds a piece of that sequence only: its call both receives a state and passes
-    one on (the two-phase forward and backward with an initial state and a final-state gradient)."""
+    one on (the two-phase forward and backward with an initial state and a final-state gradient). With
+    keep_states=True every local walk keeps its states and no backward recomputes them, the same bits."""
     from multiprocess import run_on_ranks
 
     run_on_ranks(world, _inter_card_cp_on_the_kernel_path, lengths, intra_cp)

@@ -163,7 +163,7 @@ def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
 
 class InterCardCPFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, g, beta, scale, cp: CPContext, plan, cp_warmup, backend, keep_inverse):
+    def forward(ctx, q, k, v, g, beta, scale, cp: CPContext, plan, cp_warmup, backend, keep_inverse, keep_states):
         Hv, K, V = v.shape[2], q.shape[3], v.shape[3]
         dtype = reference.work_dtype(q)
         S_star = q.new_zeros((len(cp.pieces), Hv, K, V), dtype=dtype)
@@ -177,7 +177,7 @@ class InterCardCPFunction(torch.autograd.Function):
             # summary of that sequence (a sequence spanning the part, or off the segmented kernel path)
             split = None if call.entering is not None else backends.forward_passing_state(
                 backend, call.op_call(q, k, v, g, beta), scale, _range_plan(plan, call.bounds), cp_warmup,
-                keep_inverse)
+                keep_inverse, keep_states)
             if split is not None:
                 S_star[call.slot], walks[call.start] = split
                 continue
@@ -199,10 +199,11 @@ class InterCardCPFunction(torch.autograd.Function):
             elif call.entering is None:
                 outputs[call.start], _, call.kept = backends.forward(backend, op_call, scale, call.leaving is not None,
                                                                      plan_of_call, cp_warmup, for_backward=True,
-                                                                     keep_inverse=keep_inverse)
+                                                                     keep_inverse=keep_inverse,
+                                                                     keep_states=keep_states)
             else:
                 waiting.append((call, backends.forward_in_two(backend, op_call, scale, call.leaving is not None,
-                                                              plan_of_call, cp_warmup, keep_inverse)))
+                                                              plan_of_call, cp_warmup, keep_inverse, keep_states)))
         states, mats = exchange.wait()
         S_enter = _fold_forward(cp, states, mats)
         for call, finish in waiting:
@@ -270,7 +271,7 @@ class InterCardCPFunction(torch.autograd.Function):
         dq, dk, dv, dg, dbeta = (_joined([grads[call.start][i] for call in calls]) for i in range(5))
         for call in calls:  # the saved tensors are the context's alone again
             call.initial_state = call.kept = None
-        return dq, dk, dv, dg, dbeta, None, None, None, None, None, None
+        return dq, dk, dv, dg, dbeta, None, None, None, None, None, None, None
 
 
 def _sequence_span(cp: CPContext, n: int) -> tuple[int, int]:

@@ -135,24 +135,27 @@ def forward(name: str, call: Call, scale: float, output_final_state: bool, plan,
 
 
 def forward_in_two(name: str, call: Call, scale: float, output_final_state: bool, plan, cp_warmup,
-                   keep_inverse=False):
+                   keep_inverse=False, keep_states=False):
     """The forward of a call whose initial states come later (inter-card CP): runs now what does not read
     them and returns `finish(initial_state)`, which returns what `forward(..., for_backward=True,
-    keep_inverse=keep_inverse)` does. On the segmented TileLang path the WY inverse and the summary launch
-    run now; elsewhere everything runs in `finish`."""
+    keep_inverse=keep_inverse, keep_states=keep_states)` does. On the segmented TileLang path the WY inverse
+    and the summary launch run now; elsewhere everything runs in `finish`."""
+    keep_states = keep_states and keep_inverse
     if name == "tilelang" and plan.is_segmented:
         hopper, _ = _hopper_kernels()
         c = call
         summ = segments.forward_summaries(hopper, c.q, c.k, c.v, c.g, c.beta, plan, cp_warmup, has_h0=True,
-                                          dht_given=output_final_state, keep_inverse=keep_inverse)
+                                          dht_given=output_final_state, keep_inverse=keep_inverse,
+                                          keep_states=keep_states)
         return lambda initial_state: segments.forward_from_summaries(hopper, summ, scale, initial_state,
                                                                      output_final_state, with_starts=True)
     return lambda initial_state: forward(name, dataclasses.replace(call, initial_state=initial_state), scale,
                                          output_final_state, plan, cp_warmup, for_backward=True,
-                                         keep_inverse=keep_inverse)
+                                         keep_inverse=keep_inverse, keep_states=keep_states)
 
 
-def forward_passing_state(name: str, call: Call, scale: float, plan, cp_warmup, keep_inverse=False):
+def forward_passing_state(name: str, call: Call, scale: float, plan, cp_warmup, keep_inverse=False,
+                          keep_states=False):
     """The forward of a call whose last sequence goes on into another rank's part (inter-card CP), with that
     sequence's final state computed before the walk: (S_end [Hv, K, V] fp32, `finish()`, which returns
     what `forward(..., output_final_state=True, for_backward=True)` does), or None where the state only
@@ -167,7 +170,7 @@ def forward_passing_state(name: str, call: Call, scale: float, plan, cp_warmup, 
     c = call
     summ = segments.forward_summaries(hopper, c.q, c.k, c.v, c.g, c.beta, plan, cp_warmup,
                                       has_h0=c.initial_state is not None, dht_given=True, leaving=True,
-                                      keep_inverse=keep_inverse)
+                                      keep_inverse=keep_inverse, keep_states=keep_states and keep_inverse)
     S0 = segments.forward_chain(hopper, summ, c.initial_state)
     return segments.leaving_state(summ, S0), lambda: segments.forward_walk(hopper, summ, S0, scale, True,
                                                                            with_starts=True)

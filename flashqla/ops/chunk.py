@@ -102,8 +102,8 @@ def chunk_gated_delta_rule(
             `torch.utils.checkpoint(use_reentrant=True)`), where this call's backward follows at once; never
             under saved-tensor hooks (non-reentrant checkpointing, CPU offload); the environment variable
             FLASHQLA_KEEP_STATES=1 (or 0) makes "auto" mean True (False) for code that calls the op itself.
-            True: whenever a backward will run; False: never. Inter-card CP (`cp_context`) and the torch
-            backend recompute them.
+            True: whenever a backward will run; False: never. Inter-card CP (`cp_context`) keeps them per
+            local call alike; the torch backend recomputes its own.
         **kwargs: FLA's `chunk_size` (64 only), `use_gate_in_kernel` with `A_log` and `dt_bias` (g is
             then the raw gate input), the deprecated `transpose_state_layout` (see flashqla/ops/options.py).
 
@@ -137,8 +137,7 @@ chunk_gdn = chunk_gated_delta_rule  # FLA's alias
 
 def _with_cp_context(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, flags, backend,
                      intra_cp, cp_warmup, keep_states, cp_context):
-    """Inter-card CP: validate, make every rank of the group agree (or all raise), then run the chain (which
-    recomputes the per-chunk states in the backward whatever keep_states says)."""
+    """Inter-card CP: validate, make every rank of the group agree (or all raise), then run the chain."""
     from ..cp import inter
 
     error = None
@@ -155,8 +154,9 @@ def _with_cp_context(q, k, v, g, beta, scale, initial_state, output_final_state,
     scale, q, k, v, g, beta = _prepare(scale, options, q, k, v, g, beta)
     plan, name = _plan_and_backend(q, k, v, g, beta, None, cp_context.cu_seqlens, list(cp_context.local_bounds),
                                    backend, intra_cp)
+    keep_inverse = _keeps_inverse(q, k, v, g, beta)
     o = inter.InterCardCPFunction.apply(q, k, v, g, beta, float(scale), cp_context, plan, cp_warmup, name,
-                                        _keeps_inverse(q, k, v, g, beta))
+                                        keep_inverse, keep_inverse and _keeps_states(keep_states))
     return o, None
 
 
