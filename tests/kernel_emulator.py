@@ -292,7 +292,7 @@ def install(monkeypatch):
                                                                                      copy_beta=copy_beta),
         "compiled_chunk_states": lambda dtype, block_v: emulate_chunk_states,
         "compiled_chunk_output": lambda dtype: emulate_chunk_output,
-        "compiled_fused_fwd": lambda dtype, block_v: emulate_fused_fwd,
+        "compiled_fused_fwd": lambda dtype, block_v, keep_states=False: emulate_fused_fwd,
         "compiled_chunk_dstates": lambda dtype, block_v: emulate_chunk_dstates,
         "compiled_chunk_bwd_local": lambda dtype, pair_sum: functools.partial(emulate_chunk_bwd_local,
                                                                               pair_sum=pair_sum),

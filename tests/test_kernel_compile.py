@@ -93,6 +93,7 @@ def assert_warp_specialised(source):
 # the kernels whose products stay in flight past other work (asynchronous WGMMA with wait_group n > 0 or
 # across a loop's back edge), at the tiles dispatch takes
 PIPELINED = [("fused_fwd", "build_fused_fwd", ("bfloat16", 32)), ("fused_fwd", "build_fused_fwd", ("bfloat16", 128)),
+             ("fused_fwd", "build_fused_fwd", ("bfloat16", 128, True)),
              ("chunk_dstates", "build_chunk_dstates", ("bfloat16", 32)),
              ("chunk_dstates", "build_chunk_dstates", ("bfloat16", 128)),
              ("chunk_states", "build_chunk_states", ("bfloat16", 128)),

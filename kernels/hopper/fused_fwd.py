@@ -11,12 +11,14 @@ Per 64-token chunk, with the state S [128 x block_v] kept in fp32 registers (des
 Only O and the final state leave the kernel. Every column of S, V' and O depends on the same column of V
 only, so the walk splits by columns without any exchange between the halves.
 
-The runtime `store_states` picks what leaves: 0, O (the forward); 1, the state entering every chunk instead
-(the backward's state recompute: Q is not loaded, the chain hands no V' over), stored by the output warpgroup
-(input dtype, from the chain's S_sh) at its chunk slot `chunk_offsets[n] + c` of `h_out`, what chunk_states.py
-stores too; 2, both (a forward that keeps its states for the backward, `keep_states`): the output warpgroup
-stores S_sh by TMA as its Q S products start and waits for the stores to have read it before it lets the chain
-write the next state.
+With the runtime flag `store_states` the kernel is the backward's state recompute instead: no O (Q is not
+loaded, the chain hands no V' over), and the output warpgroup stores the state entering every chunk (input
+dtype, from the chain's S_sh) at its chunk slot `chunk_offsets[n] + c` of `h_out`, what chunk_states.py
+stores too. The `keep_states` build does both, O and every chunk's state, whatever `store_states` says (the
+host passes 2): a forward that keeps its states for the backward (the op's `keep_states`). Its output
+warpgroup stores S_sh by TMA as its Q S products start (issued after them, it spilled at V tile 128) and waits
+for the stores to have read it before it lets the chain write the next state. A build of its own: the same
+code behind a runtime branch slowed the plain forward by 1.5-3% at V tiles 32 and 64 (H100, 2026-12-06).
 
 Roles (512 threads, four warpgroups; `T.set_max_nreg` moves registers from the producer to the others):
   | warpgroup | holds                               | per chunk                                          |
@@ -83,10 +85,11 @@ CHAIN_BARRIERS = (8, 9)
 OUTPUT_BARRIER = 10
 
 
-def build_fused_fwd(dtype: str, block_v: int):
-    """Build the prim_func for q/k/v dtype `dtype` and V tile width `block_v`; all sizes are dynamic.
+def build_fused_fwd(dtype: str, block_v: int, keep_states: bool = False):
+    """Build the prim_func for q/k/v dtype `dtype` and V tile width `block_v`; all sizes are dynamic. With
+    `keep_states`, the build that stores O and the state entering every chunk.
 
-    `scale` and the two flags are runtime arguments, so new values never recompile. States are passed
+    `scale` and the flags are runtime arguments, so new values never recompile. States are passed
     flattened to [N * Hv, 128, 128]; a [1, 128, 128] dummy stands in when a flag is 0.
     """
     if HEAD_DIM % block_v or block_v % 32:
@@ -101,6 +104,15 @@ def build_fused_fwd(dtype: str, block_v: int):
     C, D, BV, WG = CHUNK, HEAD_DIM, block_v, WARPGROUP
     H = BV // 2  # columns per chain warpgroup
     store_by_producer = BV < 128
+
+    def computes_o(store_states):
+        """Whether the walk computes O: always in the keep_states build (a constant there), else with
+        store_states 0."""
+        return True if keep_states else store_states == 0
+
+    def states_only(store_states):
+        """Whether the walk stores the states and no O: never in the keep_states build."""
+        return False if keep_states else store_states != 0
 
     @T.macro
     def chain(half, barrier_id, v0, n_chunks, seq_len, state_row, h0, ht, use_h0, store_ht, store_states, K_s, V_s,
@@ -138,7 +150,7 @@ def build_fused_fwd(dtype: str, block_v: int):
             T.wgmma_gemm(GA_s[stage, :, :], Vd_sh, Vn, clear_accum=True)
             T.wait_wgmma(0)
             T.warpgroup_fence_operand(Vn, num_regs=C * H // WG)
-            if store_states != 1:  # V' to the output warpgroup
+            if computes_o(store_states):  # V' to the output warpgroup
                 T.barrier_wait(vn_free, (c + 1) % 2)
                 T.copy(Vn, Vn_sh)
                 T.fence_proxy_async()
@@ -239,7 +251,7 @@ def build_fused_fwd(dtype: str, block_v: int):
                       s_ready, s_read, vn_ready, vn_free)
             elif tx < 3 * WG:  # output
                 T.set_max_nreg(OUTPUT_REGS, 1)
-                if store_states == 1:  # the state entering every chunk to its slot, as the chain hands it over
+                if states_only(store_states):  # the state entering every chunk to its slot, as the chain hands it over
                     for c in T.serial(n_chunks):
                         slot = chunk_offsets[n] + c
                         T.barrier_wait(s_ready, c % 2)
@@ -255,8 +267,7 @@ def build_fused_fwd(dtype: str, block_v: int):
                         T.barrier_wait(ready[stage], (c // 2) % 2)
                         T.wgmma_gemm(Q_s[stage, :, :], K_s[stage, :, :], P, transpose_B=True, clear_accum=True)
                         T.barrier_wait(s_ready, c % 2)
-                        if store_states == 2:  # the state entering chunk c to its slot too (TMA, read while Q S runs;
-                            # issued after the Q S products instead, the warpgroup spilled at V tile 128)
+                        if keep_states:  # the state entering chunk c to its slot too (TMA, read while Q S runs)
                             slot = chunk_offsets[n] + c
                             T.tma_copy(S_sh0, h_out[slot, h, 0:D, v0:v0 + H])
                             T.tma_copy(S_sh1, h_out[slot, h, 0:D, v0 + H:v0 + BV])
@@ -273,7 +284,7 @@ def build_fused_fwd(dtype: str, block_v: int):
                         T.wait_wgmma(0)
                         T.warpgroup_fence_operand(O0, num_regs=C * H // WG)
                         T.warpgroup_fence_operand(O1, num_regs=C * H // WG)
-                        if store_states == 2:  # the state stores have read S_sh (and the last O store, O_sh)
+                        if keep_states:  # the state stores have read S_sh (and the last O store, O_sh)
                             T.tma_store_wait(0)
                         T.barrier_arrive(s_read)
                         for r, j in T.Parallel(C, H):
@@ -313,7 +324,7 @@ def build_fused_fwd(dtype: str, block_v: int):
                         stage = c % 2
                         t0 = bos + c * C
                         T.barrier_wait(free[stage], (c // 2 + 1) % 2)
-                        if store_states != 1:
+                        if computes_o(store_states):
                             T.tma_copy(q[t0:t0 + C, hk, 0:D], Q_s[stage, :, :], barrier=ready[stage])
                         T.tma_copy(k[t0:t0 + C, hk, 0:D], K_s[stage, :, :], barrier=ready[stage])
                         T.tma_copy(v[t0:t0 + C, h, v0:v0 + BV], V_s[stage, :, :], barrier=ready[stage])
@@ -322,7 +333,7 @@ def build_fused_fwd(dtype: str, block_v: int):
                         T.barrier_arrive(ready[stage])
                 elif tx < 3 * WG + 96:
                     if store_by_producer:  # two warps store O (16 bytes per thread and store)
-                        if store_states != 1:
+                        if computes_o(store_states):
                             for c in T.serial(n_chunks):
                                 T.barrier_wait(o_ready, c % 2)
                                 store_rows(o, O_sh, bos + c * C, h, v0, T.min(C, seq_len - c * C))

@@ -83,8 +83,12 @@ def compiled_wy_inverse(dtype: str, shared_k: bool, copy_beta: bool):
 
 
 @functools.lru_cache(maxsize=None)
-def compiled_fused_fwd(dtype: str, block_v: int):
-    """The compiled fused forward kernel for `dtype` and V tile width `block_v`."""
+def compiled_fused_fwd(dtype: str, block_v: int, keep_states: bool = False):
+    """The compiled fused forward kernel for `dtype` and V tile width `block_v`; `keep_states`: the build that
+    also stores the state entering every chunk."""
+    if keep_states:
+        return compile_from("fused_fwd", "build_fused_fwd", f"fused_fwd({dtype}, block_v={block_v}, keep_states=True)",
+                            dtype, block_v, True)
     return compile_from("fused_fwd", "build_fused_fwd", f"fused_fwd({dtype}, block_v={block_v})", dtype, block_v)
 
 
@@ -151,6 +155,7 @@ def kernel_configs(dtypes=KERNEL_DTYPES):
         yield compiled_gqa_sum, (dtype,)
         for block_v in BLOCK_V_CHOICES:
             yield compiled_fused_fwd, (dtype, block_v)
+            yield compiled_fused_fwd, (dtype, block_v, True)
             yield compiled_chunk_states, (dtype, block_v)
             yield compiled_chunk_dstates, (dtype, block_v)
     for block_v in CHAIN_BLOCK_V_CHOICES:
@@ -480,10 +485,14 @@ def fused_forward(x: ChunkedCall, v, h0, scale: float, store_final: bool, states
     h0_arg, ht, ht_arg = _state_buffers(x, h0, store_final)
     v3 = v.reshape(-1, x.num_v_heads, HEAD_DIM)
     o = torch.empty_like(v3)
-    h_out = _no_states(x.num_v_heads, v3.dtype, v3.device) if states is None else states
-    compiled_fused_fwd(x.dtype, block_v_on(x.q.device, x.num_seqs, x.num_v_heads))(
-        x.q, x.k, v3, x.GA, x.beta, x.gcum, x.cu, x.offsets, h0_arg, o, ht_arg, h_out, float(scale),
-        int(h0 is not None), int(store_final), 0 if states is None else 2)
+    block_v = block_v_on(x.q.device, x.num_seqs, x.num_v_heads)
+    if states is None:
+        kernel, h_out, store_states = compiled_fused_fwd(x.dtype, block_v), _no_states(x.num_v_heads, v3.dtype,
+                                                                                       v3.device), 0
+    else:  # the keep_states build (it stores O and the states whatever store_states says: 2 names that)
+        kernel, h_out, store_states = compiled_fused_fwd(x.dtype, block_v, True), states, 2
+    kernel(x.q, x.k, v3, x.GA, x.beta, x.gcum, x.cu, x.offsets, h0_arg, o, ht_arg, h_out, float(scale),
+           int(h0 is not None), int(store_final), store_states)
     return o, ht
 
 
