@@ -154,15 +154,17 @@ def kept_against_recomputed(call, intra_cp, seed):
 
 
 @pytest.mark.parametrize("intra_cp", ["off", 3])
-@pytest.mark.parametrize("lengths,Hv", [([1, 65, 64, 130, 7, 200, 1, 129], 6), ([333] * 24 + [1, 64], 8)],
-                         ids=["narrow-tiles", "tile-128"])
-def test_forward_that_keeps_its_states(intra_cp, lengths, Hv, poisoned_outputs):
-    """keep_states=True: fused_fwd stores the state entering every chunk beside O (store_states 2: TMA stores from
-    the output warpgroup) into a NaN-poisoned buffer, and the backward reads it instead of walking again. o, the
-    final state and every gradient are bitwise those of keep_states=False (store_states 1 recomputes the same
+@pytest.mark.parametrize("lengths,Hv,dtype", [([1, 65, 64, 130, 7, 200, 1, 129], 6, torch.bfloat16),
+                                              ([1, 65, 64, 130, 7, 200, 1, 129], 6, torch.float16),
+                                              ([333] * 24 + [1, 64], 8, torch.bfloat16)],
+                         ids=["narrow-tiles", "narrow-tiles-fp16", "tile-128"])
+def test_forward_that_keeps_its_states(intra_cp, lengths, Hv, dtype, poisoned_outputs):
+    """keep_states=True: fused_fwd's keep_states build stores the state entering every chunk beside O (TMA stores
+    from the output warpgroup) into a NaN-poisoned buffer, and the backward reads it instead of walking again. o,
+    the final state and every gradient are bitwise those of keep_states=False (store_states 1 recomputes the same
     states), at narrow V tiles (few walks) and at 128 (26 x 8 walks, and with segments more), unsegmented and
-    with intra-card segments; the small pack also against the float64 recurrence."""
-    call = make_call(lengths, 2, Hv, seed=50 + Hv)
+    with intra-card segments, bf16 and fp16; the small packs also against the float64 recurrence."""
+    call = make_call(lengths, 2, Hv, dtype=dtype, seed=50 + Hv)
     if Hv == 6:
         assert_grads_match(call, intra_cp=intra_cp, keep_states=True)
     kept, recomputed = kept_against_recomputed(call, intra_cp, 51)
