@@ -122,12 +122,13 @@ def chunk_gated_delta_rule(
     check_gate_parameters(options, g)
     check_cp_arguments(intra_cp, cp_warmup)
     check_keep_states(keep_states)
+    keeps_states = _keeps_states(keep_states)
     scale, q, k, v, g, beta = _prepare(scale, options, q, k, v, g, beta)
     plan, name = _plan_and_backend(q, k, v, g, beta, initial_state, cu_seqlens, bounds, backend, intra_cp)
     keep_inverse = _keeps_inverse(q, k, v, g, beta, initial_state)
     o, final_state = ChunkGatedDeltaRuleFunction.apply(
         q, k, v, g, beta, initial_state, float(scale), bool(output_final_state), cu_seqlens, plan, cp_warmup, name,
-        keep_inverse, keep_inverse and _keeps_states(keep_states)
+        keep_inverse, keep_inverse and keeps_states
     )
     return o, state_to_caller_layout(options, final_state)
 
@@ -147,6 +148,7 @@ def _with_cp_context(q, k, v, g, beta, scale, initial_state, output_final_state,
         check_gate_parameters(options, g)
         check_cp_arguments(intra_cp, cp_warmup)
         check_keep_states(keep_states)
+        keeps_states = _keeps_states(keep_states)  # (FLASHQLA_KEEP_STATES checked here, before the agreement)
         error = inter.local_error(cp_context, q, cu_seqlens, initial_state, output_final_state)
     except (TypeError, ValueError) as exc:
         error = str(exc)
@@ -156,7 +158,7 @@ def _with_cp_context(q, k, v, g, beta, scale, initial_state, output_final_state,
                                    backend, intra_cp)
     keep_inverse = _keeps_inverse(q, k, v, g, beta)
     o = inter.InterCardCPFunction.apply(q, k, v, g, beta, float(scale), cp_context, plan, cp_warmup, name,
-                                        keep_inverse, keep_inverse and _keeps_states(keep_states))
+                                        keep_inverse, keep_inverse and keeps_states)
     return o, None
 
 
@@ -187,9 +189,9 @@ def _keeps_states(keep_states: bool | str) -> bool:
 def recomputed_in_backward() -> bool:
     """Whether this forward runs inside a backward pass with no saved-tensor hooks in force: reentrant
     activation checkpointing recomputing it, whose backward of this call runs next (kept states live from here
-    to there). Non-reentrant checkpointing recomputes under saved-tensor hooks and reads back only what they
-    saved (the Function's own kept tensors would be computed for nothing), and hooks such as CPU offload mean
-    memory matters more than time: False under any. False too where torch lacks either query."""
+    to there). Non-reentrant checkpointing recomputes under saved-tensor hooks and requires the recompute to save
+    what the first forward saved (which, outside any backward, kept no states), and hooks such as CPU offload
+    mean memory matters more than time: False under any. False too where torch lacks either query."""
     graph_task = getattr(torch._C, "_current_graph_task_id", None)
     top_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
     if graph_task is None or top_hooks is None:

@@ -108,7 +108,8 @@ def backward_of(x: ChunkedCall, q, k, v, g, beta, do, scale, h0, dht, states=Non
     the current stream, beside the state recompute where that runs on a second stream): (dq, dk, dv, dg, dbeta)
     shaped and typed like q, k, v, g, beta, and dS0 fp32 [N, Hv, 128, 128].
     states: the state entering every chunk when the forward kept it (`KeptInverse.states`): no recompute.
-    Releases the per-chunk states before the sums: T x Hv x 1 KB (h and dh) less held there."""
+    Releases the per-chunk states before the sums: T x Hv x 1 KB (h and dh) less held there (dh alone when
+    the forward kept h: the autograd context holds it until the backward returns)."""
     B, T, Hqk, D = q.shape
     Hv = v.shape[2]
     device = q.device
