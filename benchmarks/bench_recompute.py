@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import os
 
-import torch
-from torch.utils.checkpoint import checkpoint
+from bench_bwd import environment
 
-from bench_gdn import graph_median_ms, make_inputs, versions
+import torch  # noqa: E402
+from torch.utils.checkpoint import checkpoint  # noqa: E402
+
+from bench_gdn import graph_median_ms, make_inputs, versions  # noqa: E402
 
 CONFIGS = "2:8:32768x1,2:8:16384x1,4:16:32768x1,16:32:32768x1,2:8:4096x8,16:32:4096x8,16:64:8192x4,8:16:4096x8"
 
@@ -37,17 +38,22 @@ def parse_configs(text: str) -> list[tuple[int, int, list[int]]]:
     return configs
 
 
-def time_config(Hqk, Hv, lengths, reps):
-    """(forward ms, forward ms storing the states, checkpointed step ms, the same with "auto" keeping them)."""
+def op_on(Hqk, Hv, lengths):
+    """(the public op's o as a function of q, k, v, g, beta and keep_states, those five as leaves) on bench_gdn's
+    model-like inputs."""
     import flashqla
 
     q, k, v, g, beta, cu = make_inputs(Hqk, Hv, lengths)
-    leaves = [t.detach().requires_grad_(True) for t in (q, k, v, g, beta)]
-    do = torch.randn_like(v)
 
     def op(*x, keep="auto"):
         return flashqla.chunk_gated_delta_rule(*x, cu_seqlens=cu, backend="tilelang", keep_states=keep)[0]
+    return op, [t.detach().requires_grad_(True) for t in (q, k, v, g, beta)]
 
+
+def time_config(Hqk, Hv, lengths, reps):
+    """(forward ms, forward ms storing the states, checkpointed step ms, the same with "auto" keeping them)."""
+    op, leaves = op_on(Hqk, Hv, lengths)
+    do = torch.randn_like(leaves[2])
     times = []
     for keep in (False, True):
         forward = lambda: op(*leaves, keep=keep)  # noqa: E731
@@ -57,28 +63,17 @@ def time_config(Hqk, Hv, lengths, reps):
     def checkpointed_step():
         torch.autograd.backward(checkpoint(op, *leaves, use_reentrant=True), do)
 
-    saved = os.environ.get("FLASHQLA_KEEP_STATES")
-    try:
-        for setting in ("0", "auto"):
-            os.environ["FLASHQLA_KEEP_STATES"] = setting
+    for setting in ("0", "auto"):
+        with environment({"FLASHQLA_KEEP_STATES": setting}):
             checkpointed_step()
             times.append(graph_median_ms(checkpointed_step, reps))
-    finally:
-        os.environ.pop("FLASHQLA_KEEP_STATES") if saved is None else os.environ.update(FLASHQLA_KEEP_STATES=saved)
     return times
 
 
 def held_mib(Hqk, Hv, lengths) -> list[float]:
     """MiB one call holds after its forward beyond its output: plain, checkpoint(use_reentrant=False), and
     checkpoint(use_reentrant=True)."""
-    import flashqla
-
-    q, k, v, g, beta, cu = make_inputs(Hqk, Hv, lengths)
-    leaves = [t.detach().requires_grad_(True) for t in (q, k, v, g, beta)]
-
-    def op(*x):
-        return flashqla.chunk_gated_delta_rule(*x, cu_seqlens=cu, backend="tilelang")[0]
-
+    op, leaves = op_on(Hqk, Hv, lengths)
     held = []
     for run in (lambda: op(*leaves), lambda: checkpoint(op, *leaves, use_reentrant=False),
                 lambda: checkpoint(op, *leaves, use_reentrant=True)):

@@ -110,8 +110,7 @@ def forward(name: str, call: Call, scale: float, output_final_state: bool, plan,
             keep_inverse=False, keep_states=False):
     """(o, final state); for_backward: (o, final state, what `backward` can reuse (a `segments.Kept`), or
     None). keep_inverse: on the TileLang path, keep the WY inverse for the backward (`keeps_inverse`);
-    keep_states: and the per-chunk states (with keep_inverse; the torch backend recomputes its own)."""
-    keep_states = keep_states and keep_inverse
+    keep_states (only with keep_inverse): and the per-chunk states (the torch backend recomputes its own)."""
     c = call
     kept = None
     if name == "tilelang":
@@ -140,7 +139,6 @@ def forward_in_two(name: str, call: Call, scale: float, output_final_state: bool
     them and returns `finish(initial_state)`, which returns what `forward(..., for_backward=True,
     keep_inverse=keep_inverse, keep_states=keep_states)` does. On the segmented TileLang path the WY inverse
     and the summary launch run now; elsewhere everything runs in `finish`."""
-    keep_states = keep_states and keep_inverse
     if name == "tilelang" and plan.is_segmented:
         hopper, _ = _hopper_kernels()
         c = call
@@ -170,7 +168,7 @@ def forward_passing_state(name: str, call: Call, scale: float, plan, cp_warmup, 
     c = call
     summ = segments.forward_summaries(hopper, c.q, c.k, c.v, c.g, c.beta, plan, cp_warmup,
                                       has_h0=c.initial_state is not None, dht_given=True, leaving=True,
-                                      keep_inverse=keep_inverse, keep_states=keep_states and keep_inverse)
+                                      keep_inverse=keep_inverse, keep_states=keep_states)
     S0 = segments.forward_chain(hopper, summ, c.initial_state)
     return segments.leaving_state(summ, S0), lambda: segments.forward_walk(hopper, summ, S0, scale, True,
                                                                            with_starts=True)

@@ -86,10 +86,8 @@ def compiled_wy_inverse(dtype: str, shared_k: bool, copy_beta: bool):
 def compiled_fused_fwd(dtype: str, block_v: int, keep_states: bool = False):
     """The compiled fused forward kernel for `dtype` and V tile width `block_v`; `keep_states`: the build that
     also stores the state entering every chunk."""
-    if keep_states:
-        return compile_from("fused_fwd", "build_fused_fwd", f"fused_fwd({dtype}, block_v={block_v}, keep_states=True)",
-                            dtype, block_v, True)
-    return compile_from("fused_fwd", "build_fused_fwd", f"fused_fwd({dtype}, block_v={block_v})", dtype, block_v)
+    label = f"fused_fwd({dtype}, block_v={block_v}" + (", keep_states=True)" if keep_states else ")")
+    return compile_from("fused_fwd", "build_fused_fwd", label, dtype, block_v, *((True,) if keep_states else ()))
 
 
 @functools.lru_cache(maxsize=None)
@@ -486,13 +484,11 @@ def fused_forward(x: ChunkedCall, v, h0, scale: float, store_final: bool, states
     v3 = v.reshape(-1, x.num_v_heads, HEAD_DIM)
     o = torch.empty_like(v3)
     block_v = block_v_on(x.q.device, x.num_seqs, x.num_v_heads)
-    if states is None:
-        kernel, h_out, store_states = compiled_fused_fwd(x.dtype, block_v), _no_states(x.num_v_heads, v3.dtype,
-                                                                                       v3.device), 0
-    else:  # the keep_states build (it stores O and the states whatever store_states says: 2 names that)
-        kernel, h_out, store_states = compiled_fused_fwd(x.dtype, block_v, True), states, 2
+    keep = states is not None  # the keep_states build: O and the states whatever store_states says (2 names that)
+    kernel = compiled_fused_fwd(x.dtype, block_v, True) if keep else compiled_fused_fwd(x.dtype, block_v)
+    h_out = states if keep else _no_states(x.num_v_heads, v3.dtype, v3.device)
     kernel(x.q, x.k, v3, x.GA, x.beta, x.gcum, x.cu, x.offsets, h0_arg, o, ht_arg, h_out, float(scale),
-           int(h0 is not None), int(store_final), store_states)
+           int(h0 is not None), int(store_final), 2 if keep else 0)
     return o, ht
 
 
