@@ -97,6 +97,9 @@ class GatedDeltaNet(nn.Module):
             eps=config.rms_norm_eps,
         )
 
+    # Run eagerly under torch.compile, like the op (flashqla/ops/chunk.py): the layer's host side (sequences
+    # from attention_mask or cu_seqlens, the conv's per-sequence prefixes, state hand-over) reads tensor values
+    @torch.compiler.disable
     def forward(self, hidden_states, attention_mask=None, cu_seqlens=None, state=None, cp_context=None):
         """hidden_states: [B, T, hidden_size]. Returns a tensor of the same shape.
 

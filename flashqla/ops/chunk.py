@@ -44,6 +44,10 @@ class ChunkGatedDeltaRuleFunction(torch.autograd.Function):
         return dq, dk, dv, dg, dbeta, dh0, None, None, None, None, None, None, None, None
 
 
+# Opaque to torch.compile: Dynamo would otherwise trace the host-side checks, planning and caches (keyed by
+# tensor identity and host values) and break its graph at each kernel launch and data-dependent read; a
+# compiled model instead runs this call eagerly between its compiled regions (one graph break per call)
+@torch.compiler.disable
 def chunk_gated_delta_rule(
     q: torch.Tensor,
     k: torch.Tensor,
