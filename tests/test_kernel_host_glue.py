@@ -697,6 +697,8 @@ def test_wy_inverse_shares_k_over_as_much_of_a_gqa_group_as_leaves_whole_waves()
     assert wy_heads_per_cta(513, 8, 24, 132) == 3
     assert wy_heads_per_cta(513, 1, 6, 132) == 3  # 6 fails the waves, 3 divides the group, 4 does not
     assert wy_heads_per_cta(10 ** 6, 16, 16, 132) == 1  # no GQA
+    assert wy_heads_per_cta(10 ** 6, 1, 16, 132) == 8  # the shared build holds the gates of 8 v-heads at most
+    assert wy_heads_per_cta(10 ** 6, 1, 12, 132) == 6
 
 
 def test_prepare_launches_the_shared_k_build_with_a_gqa_group_per_cta_where_waves_allow(hopper, monkeypatch):

@@ -190,6 +190,7 @@ def summary_block_v(num_walks: int, sm_count: int) -> int:
 
 WY_INVERSE_CTAS_PER_SM = 5  # wy_inverse.py's occupancy (registers) in the shared-K build (the one-v-head build: 6)
 WY_INVERSE_MIN_WAVES = 1.5
+WY_MAX_HEADS_PER_CTA = 8  # the shared-K build's gate buffers (wy_inverse.MAX_HEADS)
 
 
 def wy_heads_per_cta(chunk_slots: int, num_qk_heads: int, num_v_heads: int, sm_count: int) -> int:
@@ -199,7 +200,7 @@ def wy_heads_per_cta(chunk_slots: int, num_qk_heads: int, num_v_heads: int, sm_c
     1.06-1.16x at 1.5 to 12 waves ((2, 8) x 4K x 8 59.7 -> 54.8 us, (16, 64) x 8K x 4 442 -> 389) and 0.68x at a
     sixth of a wave ((2, 8) x 1000 x 3); half a group where the whole one keeps 1.5 waves, 0.97-0.99x."""
     group = num_v_heads // num_qk_heads
-    for heads in range(group, 1, -1):
+    for heads in range(min(group, WY_MAX_HEADS_PER_CTA), 1, -1):
         if group % heads == 0 and chunk_slots * num_v_heads // heads >= (
                 WY_INVERSE_MIN_WAVES * WY_INVERSE_CTAS_PER_SM * sm_count):
             return heads

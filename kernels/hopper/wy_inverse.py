@@ -27,7 +27,12 @@ one-v-head build reads its gates while K is in flight (the shared build at one v
 them after, was 0.95-0.97x it at (16, 16) and (32, 32) x 32K). H200, 2026-12-04, against the one-v-head kernel
 alone: (16, 64) x 8K x 4 442 -> 389 us (4 v-heads per CTA), (2, 8) x 4K x 8 59.7 -> 54.8 (4), (8, 24) x 32K
 163 -> 150 (3), (16, 32) x 4K x 8 227 -> 211 (2); GA and gcum bitwise equal (docs/kernels.md, "Thirty-third
-session").
+session"). The shared build reads the gates of all its v-heads (up to MAX_HEADS, a row each) while K is in
+flight and scans them in one 2-D cumsum, instead of each v-head's before its inverse behind two CTA barriers of
+its own: H100, 2026-12-06, kernel alone, GA, gcum and beta's copy bitwise equal: (16, 32) x 4K x 8 235.8 -> 211.0
+us, (8, 24) x 32K 161.6 -> 151.5, (2, 8) x 32K 60.9 -> 58.5, (16, 64) x 8K x 4 390.3 -> 379.4, (2, 8) x 4K x 8
+57.1 -> 55.6, (2, 8) x 16K 31.0 -> 31.2 (docs/kernels.md, "Fifty-second session"). The one-v-head build is
+unchanged.
 
 Chunks never straddle sequences. The CTA of chunk slot c finds its sequence by binary search in
 `chunk_offsets` (exclusive prefix sum of chunks per sequence; `search_steps` = bit length of N); CTAs past
@@ -66,6 +71,7 @@ from .chunk_map import chunk_of_slot
 
 CHUNK = 64
 HEAD_DIM = 128
+MAX_HEADS = 8  # v-heads per CTA of the shared build (launch.wy_heads_per_cta keeps to it)
 LOG2E = 1.4426950408889634
 
 
@@ -94,6 +100,22 @@ def build_wy_inverse(dtype: str, shared_k: bool, copy_beta: bool):
                 gcum[h, start + r] = g_sh[r]
                 if copy_beta:
                     beta32[start + r, h] = beta_sh[r]
+
+    @T.macro
+    def load_group_gates(beta, beta32, g, gcum, beta_all, g_all, start, n_rows, last, h0, heads):
+        """load_gates for the `heads` v-heads from h0 at once (rows past `heads` zero), one scan over them."""
+        for hh, r in T.Parallel(MAX_HEADS, C):
+            beta_all[hh, r] = T.if_then_else(hh < heads and r < n_rows,
+                                             T.cast(beta[start + T.min(r, last), h0 + T.min(hh, heads - 1)],
+                                                    "float32"), 0.0)
+            g_all[hh, r] = T.if_then_else(hh < heads and r < n_rows,
+                                          g[start + T.min(r, last), h0 + T.min(hh, heads - 1)], 0.0)
+        T.cumsum(src=g_all, dst=g_all, dim=1)
+        for hh, r in T.Parallel(MAX_HEADS, C):
+            if hh < heads and r < n_rows:
+                gcum[h0 + hh, start + r] = g_all[hh, r]
+                if copy_beta:
+                    beta32[start + r, h0 + hh] = beta_all[hh, r]
 
     @T.prim_func
     def wy_inverse(
@@ -126,8 +148,12 @@ def build_wy_inverse(dtype: str, shared_k: bool, copy_beta: bool):
             hk = h0 // (num_v_heads // num_qk_heads)
 
             K_sh = T.alloc_shared((C, D), dtype)
-            beta_sh = T.alloc_shared((C,), "float32")
-            g_sh = T.alloc_shared((C,), "float32")
+            if shared_k:  # every v-head's gates of the CTA (row: v-head), read while K is in flight
+                beta_sh = T.alloc_shared((MAX_HEADS, C), "float32")
+                g_sh = T.alloc_shared((MAX_HEADS, C), "float32")
+            else:
+                beta_sh = T.alloc_shared((C,), "float32")
+                g_sh = T.alloc_shared((C,), "float32")
             KKt = T.alloc_fragment((C, C), "float32")
             L_sh = T.alloc_shared((C, C), "float32")
             X_sh = T.alloc_shared((C, C), "float32")
@@ -144,7 +170,9 @@ def build_wy_inverse(dtype: str, shared_k: bool, copy_beta: bool):
 
             # --- K and K K^T, once for the CTA's v-heads (one GQA group shares K); one v-head's gates meanwhile ----
             T.async_copy(k[start:start + C, hk, 0:D], K_sh)
-            if not shared_k:
+            if shared_k:
+                load_group_gates(beta, beta32, g, gcum, beta_sh, g_sh, start, n_rows, last, h0, heads_per_cta)
+            else:
                 load_gates(beta, beta32, g, gcum, beta_sh, g_sh, start, n_rows, last, h0)
             T.ptx_wait_group(0)
             T.sync_threads()
@@ -157,13 +185,11 @@ def build_wy_inverse(dtype: str, shared_k: bool, copy_beta: bool):
                 h = h0 + head
                 if shared_k:
                     T.sync_threads()  # the last v-head's steps (and K K^T) are done with the shared tiles
-                    load_gates(beta, beta32, g, gcum, beta_sh, g_sh, start, n_rows, last, h)
-                    T.sync_threads()
                 # --- L = StrictLower(diag(beta) K K^T). X = (I + L)^{-1} needs no initial value: the steps below
                 # write every element of it before any is read (the diagonal blocks with their zeros above the
                 # diagonal, the lower blocks, the upper blocks as staging that is zeroed after use) -------------
                 for r, s in T.Parallel(C, C):  # beta applied as L leaves the accumulator
-                    L_sh[r, s] = T.if_then_else(r > s, beta_sh[r] * KKt[r, s], 0.0)
+                    L_sh[r, s] = T.if_then_else(r > s, (beta_sh[head, r] if shared_k else beta_sh[r]) * KKt[r, s], 0.0)
                 T.sync_threads()
 
                 # --- 16x16 diagonal blocks, one column per thread in registers: x_i = e_i - sum_{j<i} L_ij x_j
@@ -224,13 +250,13 @@ def build_wy_inverse(dtype: str, shared_k: bool, copy_beta: bool):
                 # one may be 0 x inf) ---------------------------------------------------------------------------
                 c0 = (tx % 8) * 8
                 for j in T.vectorized(8):  # the thread's 8 column gates, the same in each of its 4 rows
-                    g_cols[j] = g_sh[c0 + j]
+                    g_cols[j] = g_sh[head, c0 + j] if shared_k else g_sh[c0 + j]
                 for i in T.unroll(4):
                     r = i * 16 + tx // 8
                     for j in T.vectorized(8):
                         X_row[j] = X_sh[r, c0 + j]
                     for j in T.unroll(8):
-                        GA_row[j] = T.cast(T.Select(r >= c0 + j, X_row[j] * T.exp2((g_sh[r] - g_cols[j]) * LOG2E), 0.0),
+                        GA_row[j] = T.cast(T.Select(r >= c0 + j, X_row[j] * T.exp2(((g_sh[head, r] if shared_k else g_sh[r]) - g_cols[j]) * LOG2E), 0.0),
                                            dtype)
                     if r < n_rows:
                         for j in T.vectorized(8):
