@@ -190,7 +190,7 @@ def summary_block_v(num_walks: int, sm_count: int) -> int:
 
 WY_INVERSE_CTAS_PER_SM = 5  # wy_inverse.py's occupancy (registers) in the shared-K build (the one-v-head build: 6)
 WY_INVERSE_MIN_WAVES = 1.5
-WY_MAX_HEADS_PER_CTA = 8  # the shared-K build's gate buffers (wy_inverse.MAX_HEADS)
+WY_MAX_HEADS_PER_CTA = 8  # v-heads per CTA of wy_inverse's shared-K build: the rows of its gate buffers
 
 
 def wy_heads_per_cta(chunk_slots: int, num_qk_heads: int, num_v_heads: int, sm_count: int) -> int:

@@ -68,10 +68,10 @@ order; FlashQLA 0.1.3's kkt_solve + chunk cumsum on the same inputs 450, 227, 62
 import tilelang.language as T
 
 from .chunk_map import chunk_of_slot
+from .launch import WY_MAX_HEADS_PER_CTA as MAX_HEADS  # the shared build's gate rows
 
 CHUNK = 64
 HEAD_DIM = 128
-MAX_HEADS = 8  # v-heads per CTA of the shared build (launch.wy_heads_per_cta keeps to it)
 LOG2E = 1.4426950408889634
 
 
