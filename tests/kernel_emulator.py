@@ -75,9 +75,15 @@ def _v_new(GA, beta, V, gamma, K, S):
     return GA @ (beta[:, :, None] * (V - gamma[:, :, None] * (K @ S)))
 
 
-def _output(Q, K, S, Vn, gamma, Gamma, scale):
-    """O = scale (diag(gamma) Q S + (Gamma o Q K^T) V') of one chunk, [H, C, D]."""
-    return scale * (gamma[:, :, None] * (Q @ S) + (Gamma * (Q @ K.transpose(-1, -2))) @ Vn)
+def _scores(Q, K, Gamma, scale):
+    """P = scale (Gamma o Q K^T) of one chunk, [H, C, C] (Gamma: zero above the diagonal)."""
+    return scale * (Gamma * (Q @ K.transpose(-1, -2)))
+
+
+def _output(Q, K, S, Vn, gamma, Gamma, scale, P=None):
+    """O = scale diag(gamma) Q S + P V' of one chunk, [H, C, D], with P = `_scores` unless given."""
+    P = _scores(Q, K, Gamma, scale) if P is None else P
+    return scale * gamma[:, :, None] * (Q @ S) + P @ Vn
 
 
 def emulate_wy_inverse(k, beta, beta32, g, cu, offsets, GA, gcum, chunk_slots, search_steps, heads_per_cta, shared_k=True,
@@ -156,8 +162,25 @@ def emulate_chunk_output(q, k, vnew, gcum, h_in, cu, offsets, o, scale, search_s
         _store(o, t0, rows, _output(Q, K, h_in[offsets[n] + c].double(), _rows(vnew, t0, rows), gamma, Gamma, scale))
 
 
-def emulate_fused_fwd(q, k, v, GA, beta, gcum, cu, offsets, h0, o, ht, h_out, scale, use_h0, store_ht, store_states):
-    """The fused walk: O (store_states 0), the state entering every chunk at its slot and no O (1), or both (2)."""
+def emulate_chunk_scores(q, k, gcum, cu, offsets, P, scale, chunk_slots, search_steps):
+    Hv = P.shape[1]
+    hk = _qk_heads(q.shape[1], Hv)
+    for _, _, t0, rows in _chunks(cu):
+        _, _, Gamma, _, _ = _gates(gcum, t0, rows)
+        _store(P, t0, rows, _scores(_rows(q, t0, rows, hk), _rows(k, t0, rows, hk), Gamma, scale))
+
+
+def emulate_fused_fwd_scores(q, k, v, GA, beta, gcum, cu, offsets, h0, o, ht, h_out, P, scale, use_h0, store_ht,
+                             store_states):
+    """The fused walk's scores build: O from chunk_scores' P (rows past a sequence's end read as zero)."""
+    emulate_fused_fwd(q, k, v, GA, beta, gcum, cu, offsets, h0, o, ht, h_out, scale, use_h0, store_ht, store_states,
+                      P=P)
+
+
+def emulate_fused_fwd(q, k, v, GA, beta, gcum, cu, offsets, h0, o, ht, h_out, scale, use_h0, store_ht, store_states,
+                      P=None):
+    """The fused walk: O (store_states 0), the state entering every chunk at its slot and no O (1), or both (2).
+    P: chunk_scores' output, which the scores build reads (None: O's scores formed here)."""
     Hv, D = v.shape[1], v.shape[2]
     hk = _qk_heads(q.shape[1], Hv)
     S = None
@@ -170,7 +193,9 @@ def emulate_fused_fwd(q, k, v, GA, beta, gcum, cu, offsets, h0, o, ht, h_out, sc
         if store_states:
             h_out[offsets[n] + c] = S.to(h_out.dtype)
         if store_states != 1:
-            _store(o, t0, rows, _output(Q, K, S, Vn, gamma, Gamma, scale))
+            # P rounded to the input dtype before P V', as the kernel's P_sh (or chunk_scores' output) holds it
+            P_chunk = _scores(Q, K, Gamma, scale).to(o.dtype).double() if P is None else _rows(P, t0, rows)
+            _store(o, t0, rows, _output(Q, K, S, Vn, gamma, Gamma, scale, P_chunk))
         S = gamma_last[:, :, None] * S + K.transpose(-1, -2) @ (to_end[:, :, None] * Vn)
         if store_ht and t0 + rows == cu[n + 1]:
             ht[n * Hv:(n + 1) * Hv] = S.to(ht.dtype)
@@ -292,7 +317,9 @@ def install(monkeypatch):
                                                                                      copy_beta=copy_beta),
         "compiled_chunk_states": lambda dtype, block_v: emulate_chunk_states,
         "compiled_chunk_output": lambda dtype: emulate_chunk_output,
-        "compiled_fused_fwd": lambda dtype, block_v, keep_states=False: emulate_fused_fwd,
+        "compiled_fused_fwd": lambda dtype, block_v, keep_states=False, scores=False: (
+            emulate_fused_fwd_scores if scores else emulate_fused_fwd),
+        "compiled_chunk_scores": lambda dtype: emulate_chunk_scores,
         "compiled_chunk_dstates": lambda dtype, block_v: emulate_chunk_dstates,
         "compiled_chunk_bwd_local": lambda dtype, pair_sum: functools.partial(emulate_chunk_bwd_local,
                                                                               pair_sum=pair_sum),

@@ -94,6 +94,50 @@ def test_forward_takes_the_fused_walk_at_any_number_of_walks(hopper, monkeypatch
         hopper.chunk_gdn_fwd(*(args[n] for n in NAMES), 128 ** -0.5, args["initial_state"], True, cu, fused=None)
 
 
+def test_the_scores_path_runs_where_its_traffic_is_smaller_than_what_it_saves_the_walk():
+    """chunk_scores' Q, K and P traffic per token of a walk (every sequence's) against SCORES_MAX_BYTES: the H100
+    A/B's winners ((2, 8) and (4, 16) at one sequence, (2, 8) at two) take it, its losers ((8, 24), (16, 16), (32,
+    32) x 32K; (2, 8) x 4K x 8 at V tile 64) do not, and no V tile but 32 does."""
+    from flashqla.kernels.hopper.launch import reads_chunk_scores
+
+    assert [reads_chunk_scores(n, hqk, hv, 32) for n, hqk, hv in [(1, 2, 8), (1, 4, 16), (2, 2, 8)]] == [True] * 3
+    assert not any(reads_chunk_scores(n, hqk, hv, 32) for n, hqk, hv in [(1, 8, 24), (1, 16, 16), (1, 32, 32),
+                                                                         (3, 2, 8)])
+    assert not reads_chunk_scores(8, 2, 8, 64) and not reads_chunk_scores(1, 2, 8, 64)
+
+
+@pytest.mark.parametrize("lengths, sms, keep, env, scores", [([1, 65, 130], 132, False, "1", True),
+                                                             ([1, 65, 130], 132, True, "1", False),
+                                                             ([1, 65, 130], 132, False, "0", False),
+                                                             ([1, 65, 130, 64], 132, False, "1", False),
+                                                             ([1, 65, 130], 8, False, "1", False)])
+def test_narrow_tile_walks_read_their_scores_from_one_chunk_parallel_launch(hopper, monkeypatch, lengths, sms, keep,
+                                                                            env, scores):
+    """At V tile 32 (3 or 4 sequences x 4 v-heads on 132 SMs) and within SCORES_MAX_BYTES (3 sequences of (2, 4):
+    6 KiB a token) the fused forward runs chunk_scores and the walk's scores build, which reads P from it; with a
+    fourth sequence, at V tile 128 (8 SMs), in the keep_states build and with FLASHQLA_CHUNK_SCORES=0 the walk
+    forms P itself. O matches the torch backend either way."""
+    from flashqla.kernels.hopper import launch
+
+    monkeypatch.setattr(launch, "_sm_count", lambda index: sms)
+    monkeypatch.setenv(launch.SCORES_ENV, env)
+    ran = []  # (kernel, build arguments after the dtype) of every launch, in order
+    for name in ("compiled_chunk_scores", "compiled_fused_fwd"):
+        def compiled(*build, real=getattr(launch, name), name=name):
+            kernel = real(*build)
+            return lambda *args: ran.append((name[9:],) + build[1:]) or kernel(*args)
+        monkeypatch.setattr(launch, name, compiled)
+    args, cu = call(lengths, Hqk=2, Hv=4, seed=3)
+    x = launch.prepare(*(args[n] for n in ("q", "k", "v", "g", "beta")), cu)
+    block_v = launch.block_v_on(x.q.device, x.num_seqs, x.num_v_heads)
+    o, _ = launch.fused_forward(x, args["v"], args["initial_state"], 128 ** -0.5, True,
+                                launch.states_buffer(x) if keep else None)
+    assert block_v == (32 if sms == 132 else 128)
+    plain = [("fused_fwd", block_v, True)] if keep else [("fused_fwd", block_v)]
+    assert ran == ([("chunk_scores",), ("fused_fwd", block_v, False, True)] if scores else plain)
+    assert rel_err(o.view(args["v"].shape), torch_forward(args, cu)[0]) <= TOL
+
+
 @pytest.mark.parametrize("fused,with_h0,cp_warmup", [(False, True, None), (True, True, None), (False, False, None),
                                                      (True, True, -3.0), (True, False, -3.0)])
 def test_segmented_kernel_path_matches_unsegmented(hopper, fused, with_h0, cp_warmup):

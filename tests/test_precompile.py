@@ -201,7 +201,8 @@ def test_preload_kernels_loads_every_configuration_of_a_dtype_from_the_index(pre
     (reason, bwd_local, fused), _ = _finish(_start(PRELOAD, env=env, workdir=tmp_path))
     bwd_local_builds = sum(builder is launch.compiled_chunk_bwd_local for builder, _ in launch.kernel_configs((DTYPE,)))
     assert reason is None and bwd_local == bwd_local_builds == len(launch.PAIR_SUMS)
-    assert fused == 2 * len(launch.BLOCK_V_CHOICES)  # each V tile's plain and keep_states builds
+    # each V tile's plain and keep_states builds, and the scores build at V tile 32
+    assert launch.SCORES_BLOCK_V in launch.BLOCK_V_CHOICES and fused == 2 * len(launch.BLOCK_V_CHOICES) + 1
 
 
 STALE_INDEX = SMALL_KERNEL + """

@@ -20,6 +20,14 @@ warpgroup stores S_sh by TMA as its Q S products start (issued after them, it sp
 for the stores to have read it before it lets the chain write the next state. A build of its own: the same
 code behind a runtime branch slowed the plain forward by 1.5-3% at V tiles 32 and 64 (H100, 2026-12-06).
 
+The `scores` build reads every chunk's masked, scaled P = scale (Lower(Gamma) o Q K^T) from chunk_scores.py (the
+loader brings it by TMA with the chunk, into a stage of its own) instead of forming it. At V tile 32 the four
+CTAs of a (sequence, v-head) each formed the same P, the output warpgroup's largest work per chunk (a 64 x 64 x
+128 product beside the chain's on the same tensor cores, 32 exp2 a thread, a copy to shared memory), and that
+warpgroup held the walk back (docs/kernels.md, "Fifty-second session"); launch.reads_chunk_scores says where the
+build runs. O is bitwise the plain build's: chunk_scores forms P with the same products and gate arithmetic
+and rounds it once, as the plain build's P_sh does.
+
 Roles (512 threads, four warpgroups; `T.set_max_nreg` moves registers from the producer to the others):
   | warpgroup | holds                               | per chunk                                          |
   | 0, 1      | half of S's columns each (fp32)     | KS, Vd, V' (to shared memory for the output), the  |
@@ -85,15 +93,19 @@ CHAIN_BARRIERS = (8, 9)
 OUTPUT_BARRIER = 10
 
 
-def build_fused_fwd(dtype: str, block_v: int, keep_states: bool = False):
+def build_fused_fwd(dtype: str, block_v: int, keep_states: bool = False, scores: bool = False):
     """Build the prim_func for q/k/v dtype `dtype` and V tile width `block_v`; all sizes are dynamic. With
-    `keep_states`, the build that stores O and the state entering every chunk.
+    `keep_states`, the build that stores O and the state entering every chunk; with `scores`, the build that
+    reads every chunk's masked, scaled P = scale (Lower(Gamma) o Q K^T) from chunk_scores.py (an argument `P_in`
+    [T, Hv, 64] after `h_out`) instead of forming it.
 
     `scale` and the flags are runtime arguments, so new values never recompile. States are passed
     flattened to [N * Hv, 128, 128]; a [1, 128, 128] dummy stands in when a flag is 0.
     """
     if HEAD_DIM % block_v or block_v % 32:
         raise ValueError(f"block_v must be a multiple of 32 dividing {HEAD_DIM}, got {block_v}")
+    if keep_states and scores:
+        raise ValueError("the keep_states build forms its own P (no scores build of it)")
     num_tokens = T.dynamic("num_tokens")
     num_qk_heads = T.dynamic("num_qk_heads")
     num_v_heads = T.dynamic("num_v_heads")
@@ -104,6 +116,10 @@ def build_fused_fwd(dtype: str, block_v: int, keep_states: bool = False):
     C, D, BV, WG = CHUNK, HEAD_DIM, block_v, WARPGROUP
     H = BV // 2  # columns per chain warpgroup
     store_by_producer = BV < 128
+    # the output warpgroup's barrier before P V' waits for its P_sh rows, and at block_v 128 for the TMA store
+    # that read O_sh; the scores build at block_v < 128 writes neither before it
+    sync_before_pv = not (scores and store_by_producer)
+    score_stages = 2 if scores else 1  # P_in's tiles in shared memory, one per input stage (unused without)
 
     def computes_o(store_states):
         """Whether the walk computes O: always in the keep_states build (a constant there), else with
@@ -177,25 +193,10 @@ def build_fused_fwd(dtype: str, block_v: int, keep_states: bool = False):
             if r < n_rows:
                 o[t0 + r, h, v0 + j] = O_sh[r, j]
 
-    @T.prim_func
-    def fused_fwd(
-        q: T.Tensor((num_tokens, num_qk_heads, D), dtype),
-        k: T.Tensor((num_tokens, num_qk_heads, D), dtype),
-        v: T.Tensor((num_tokens, num_v_heads, D), dtype),
-        GA: T.Tensor((num_tokens, num_v_heads, C), dtype),
-        beta: T.Tensor((num_tokens, num_v_heads), "float32"),
-        gcum: T.Tensor((num_v_heads, num_tokens), "float32"),
-        cu_seqlens: T.Tensor((num_seqs + 1,), "int32"),
-        chunk_offsets: T.Tensor((num_seqs + 1,), "int32"),
-        h0: T.Tensor((num_h0, D, D), "float32"),
-        o: T.Tensor((num_tokens, num_v_heads, D), dtype),
-        ht: T.Tensor((num_ht, D, D), "float32"),
-        h_out: T.Tensor((num_slots, num_v_heads, D, D), dtype),
-        scale: T.float32,
-        use_h0: T.int32,
-        store_ht: T.int32,
-        store_states: T.int32,
-    ):
+    @T.macro
+    def walk(q, k, v, GA, beta, gcum, cu_seqlens, chunk_offsets, h0, o, ht, h_out, P_in, scale, use_h0, store_ht,
+             store_states):
+        """The kernel, for both signatures below (P_in: the scores build's precomputed P, else None)."""
         with T.Kernel(D // BV, num_seqs, num_v_heads, threads=4 * WG) as (bv, n, h):
             hk = h // (num_v_heads // num_qk_heads)
             bos = cu_seqlens[n]
@@ -215,6 +216,7 @@ def build_fused_fwd(dtype: str, block_v: int, keep_states: bool = False):
             Vd_sh0, Vd_sh1 = T.alloc_shared((C, H), dtype), T.alloc_shared((C, H), dtype)
             Vn_sh0, Vn_sh1 = T.alloc_shared((C, H), dtype), T.alloc_shared((C, H), dtype)
             P_sh = T.alloc_shared((C, C), dtype)
+            P_s = T.alloc_shared((score_stages, C, C), dtype)  # the scores build's P of the stage's chunk
             O_sh = T.alloc_shared((C, BV), dtype)
 
             S0, S1 = T.alloc_fragment((D, H), "float32"), T.alloc_fragment((D, H), "float32")
@@ -265,7 +267,8 @@ def build_fused_fwd(dtype: str, block_v: int, keep_states: bool = False):
                         t0 = bos + c * C
                         n_rows = T.min(C, seq_len - c * C)
                         T.barrier_wait(ready[stage], (c // 2) % 2)
-                        T.wgmma_gemm(Q_s[stage, :, :], K_s[stage, :, :], P, transpose_B=True, clear_accum=True)
+                        if not scores:
+                            T.wgmma_gemm(Q_s[stage, :, :], K_s[stage, :, :], P, transpose_B=True, clear_accum=True)
                         T.barrier_wait(s_ready, c % 2)
                         if keep_states:  # the state entering chunk c to its slot too (TMA, read while Q S runs)
                             slot = chunk_offsets[n] + c
@@ -275,12 +278,14 @@ def build_fused_fwd(dtype: str, block_v: int, keep_states: bool = False):
                         T.wgmma_gemm(Q_s[stage, :, :], S_sh1, O1, clear_accum=True)
                         for r in T.Parallel(C):
                             gam_o[r] = T.exp2(g_s[stage, r]) * scale
-                        T.wait_wgmma(2)
-                        T.warpgroup_fence_operand(P, num_regs=C * C // WG)
-                        for r, s in T.Parallel(C, C):
-                            P[r, s] = T.Select(r >= s, P[r, s] * T.exp2(g_s[stage, r] - g_s[stage, s]) * scale, 0.0)
-                        T.copy(P, P_sh)
-                        T.fence_proxy_async()
+                        if not scores:
+                            T.wait_wgmma(2)
+                            T.warpgroup_fence_operand(P, num_regs=C * C // WG)
+                            for r, s in T.Parallel(C, C):
+                                P[r, s] = T.Select(r >= s, P[r, s] * T.exp2(g_s[stage, r] - g_s[stage, s]) * scale,
+                                                   0.0)
+                            T.copy(P, P_sh)
+                            T.fence_proxy_async()
                         T.wait_wgmma(0)
                         T.warpgroup_fence_operand(O0, num_regs=C * H // WG)
                         T.warpgroup_fence_operand(O1, num_regs=C * H // WG)
@@ -293,10 +298,15 @@ def build_fused_fwd(dtype: str, block_v: int, keep_states: bool = False):
                             O1[r, j] = O1[r, j] * gam_o[r]
                         if not store_by_producer:  # the previous chunk's O store (TMA) has read O_sh
                             T.tma_store_wait(0)
-                        T.sync_threads(OUTPUT_BARRIER, WG)  # every thread's P_sh rows before the product
+                        if sync_before_pv:
+                            T.sync_threads(OUTPUT_BARRIER, WG)  # every thread's P_sh rows before the product
                         T.barrier_wait(vn_ready, c % 2)
-                        T.wgmma_gemm(P_sh, Vn_sh0, O0)
-                        T.wgmma_gemm(P_sh, Vn_sh1, O1)
+                        if scores:
+                            T.wgmma_gemm(P_s[stage, :, :], Vn_sh0, O0)
+                            T.wgmma_gemm(P_s[stage, :, :], Vn_sh1, O1)
+                        else:
+                            T.wgmma_gemm(P_sh, Vn_sh0, O0)
+                            T.wgmma_gemm(P_sh, Vn_sh1, O1)
                         T.wait_wgmma(0)
                         T.warpgroup_fence_operand(O0, num_regs=C * H // WG)
                         T.warpgroup_fence_operand(O1, num_regs=C * H // WG)
@@ -329,6 +339,8 @@ def build_fused_fwd(dtype: str, block_v: int, keep_states: bool = False):
                         T.tma_copy(k[t0:t0 + C, hk, 0:D], K_s[stage, :, :], barrier=ready[stage])
                         T.tma_copy(v[t0:t0 + C, h, v0:v0 + BV], V_s[stage, :, :], barrier=ready[stage])
                         T.tma_copy(GA[t0:t0 + C, h, 0:C], GA_s[stage, :, :], barrier=ready[stage])
+                        if scores:
+                            T.tma_copy(P_in[t0:t0 + C, h, 0:C], P_s[stage, :, :], barrier=ready[stage])
                         load_gate_rows(gcum, beta, g_s, b_s, stage, h, t0, seq_len - c * C - 1)
                         T.barrier_arrive(ready[stage])
                 elif tx < 3 * WG + 96:
@@ -338,5 +350,52 @@ def build_fused_fwd(dtype: str, block_v: int, keep_states: bool = False):
                                 T.barrier_wait(o_ready, c % 2)
                                 store_rows(o, O_sh, bos + c * C, h, v0, T.min(C, seq_len - c * C))
                                 T.barrier_arrive(o_free)
+
+
+    if scores:
+        @T.prim_func
+        def fused_fwd(
+            q: T.Tensor((num_tokens, num_qk_heads, D), dtype),
+            k: T.Tensor((num_tokens, num_qk_heads, D), dtype),
+            v: T.Tensor((num_tokens, num_v_heads, D), dtype),
+            GA: T.Tensor((num_tokens, num_v_heads, C), dtype),
+            beta: T.Tensor((num_tokens, num_v_heads), "float32"),
+            gcum: T.Tensor((num_v_heads, num_tokens), "float32"),
+            cu_seqlens: T.Tensor((num_seqs + 1,), "int32"),
+            chunk_offsets: T.Tensor((num_seqs + 1,), "int32"),
+            h0: T.Tensor((num_h0, D, D), "float32"),
+            o: T.Tensor((num_tokens, num_v_heads, D), dtype),
+            ht: T.Tensor((num_ht, D, D), "float32"),
+            h_out: T.Tensor((num_slots, num_v_heads, D, D), dtype),
+            P_in: T.Tensor((num_tokens, num_v_heads, C), dtype),
+            scale: T.float32,
+            use_h0: T.int32,
+            store_ht: T.int32,
+            store_states: T.int32,
+        ):
+            walk(q, k, v, GA, beta, gcum, cu_seqlens, chunk_offsets, h0, o, ht, h_out, P_in, scale, use_h0, store_ht,
+                 store_states)
+    else:
+        @T.prim_func
+        def fused_fwd(
+            q: T.Tensor((num_tokens, num_qk_heads, D), dtype),
+            k: T.Tensor((num_tokens, num_qk_heads, D), dtype),
+            v: T.Tensor((num_tokens, num_v_heads, D), dtype),
+            GA: T.Tensor((num_tokens, num_v_heads, C), dtype),
+            beta: T.Tensor((num_tokens, num_v_heads), "float32"),
+            gcum: T.Tensor((num_v_heads, num_tokens), "float32"),
+            cu_seqlens: T.Tensor((num_seqs + 1,), "int32"),
+            chunk_offsets: T.Tensor((num_seqs + 1,), "int32"),
+            h0: T.Tensor((num_h0, D, D), "float32"),
+            o: T.Tensor((num_tokens, num_v_heads, D), dtype),
+            ht: T.Tensor((num_ht, D, D), "float32"),
+            h_out: T.Tensor((num_slots, num_v_heads, D, D), dtype),
+            scale: T.float32,
+            use_h0: T.int32,
+            store_ht: T.int32,
+            store_states: T.int32,
+        ):
+            walk(q, k, v, GA, beta, gcum, cu_seqlens, chunk_offsets, h0, o, ht, h_out, None, scale, use_h0, store_ht,
+                 store_states)
 
     return fused_fwd

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import switched_on
 from ..cache import compile_kernel
 
 HEAD_DIM = 128
@@ -36,6 +37,31 @@ SUMMARY_MAX_CTAS_PER_SM = 8
 # 0.3-1.8% faster on eight configs (it runs beside the backward's state recompute); h32 (32 chains) level.
 CHAIN_BLOCK_V_CHOICES = (4, 8, 16)
 CHAIN_MAX_WAVES_AT_8 = 3
+
+# At V tile 32 the four CTAs of a (sequence, v-head) each formed the same masked scores P in their output
+# warpgroup; the walk's `scores` build reads P from one chunk-parallel `chunk_scores` launch instead. That saves
+# the walk 3-4 ns per token of its sequence and costs the launch its memory traffic, `scores_bytes` per token
+# of every sequence (Q and K read, P written and read again; 1.15 ns per token at 3 KiB, 1.9 at 6 KiB, 2.8 at 10
+# KiB). So the build runs where the call's traffic per token of a walk stays within SCORES_MAX_BYTES. H100, public
+# op forward, CP off, O bitwise equal, 2026-12-06 (docs/kernels.md, "Fifty-third session"): (2, 8) x 32K 0.935 ->
+# 0.843 ms (1.11x), x 16K 1.08x, 24K + 8K 1.06x, (4, 16) x 32K 1.04x, x 16K 1.03x; slower past it: (8, 24) 0.985x,
+# (16, 16) 0.97x, (32, 32) 0.86x at 32K, and at V tile 64 ((2, 8) 4K x 8, 0.87x).
+# FLASHQLA_CHUNK_SCORES=0 turns it off, for A/B runs and bisecting.
+SCORES_BLOCK_V = 32
+SCORES_MAX_BYTES = 6144
+SCORES_ENV = "FLASHQLA_CHUNK_SCORES"
+
+
+def scores_bytes(num_qk_heads: int, num_v_heads: int) -> int:
+    """Bytes per token that the scores path moves (16-bit inputs): Q and K read, P written and read by the walk."""
+    return num_qk_heads * 2 * HEAD_DIM * 2 + num_v_heads * CHUNK * 2 * 2
+
+
+def reads_chunk_scores(num_seqs: int, num_qk_heads: int, num_v_heads: int, block_v: int) -> bool:
+    """Whether a fused forward walk at `block_v` reads P from `chunk_scores` (see SCORES_MAX_BYTES)."""
+    return (block_v == SCORES_BLOCK_V and num_seqs * scores_bytes(num_qk_heads, num_v_heads) <= SCORES_MAX_BYTES
+            and switched_on(SCORES_ENV))
+
 
 # Pass configs of single kernel modules, beside every kernel's (`_pass_configs`): segment_chain places its own
 # barriers (two a step, segment_chain.py), so it is built without TileLang's thread storage sync pass, which
@@ -83,11 +109,19 @@ def compiled_wy_inverse(dtype: str, shared_k: bool, copy_beta: bool):
 
 
 @functools.lru_cache(maxsize=None)
-def compiled_fused_fwd(dtype: str, block_v: int, keep_states: bool = False):
+def compiled_fused_fwd(dtype: str, block_v: int, keep_states: bool = False, scores: bool = False):
     """The compiled fused forward kernel for `dtype` and V tile width `block_v`; `keep_states`: the build that
-    also stores the state entering every chunk."""
-    label = f"fused_fwd({dtype}, block_v={block_v}" + (", keep_states=True)" if keep_states else ")")
-    return compile_from("fused_fwd", "build_fused_fwd", label, dtype, block_v, *((True,) if keep_states else ()))
+    also stores the state entering every chunk; `scores`: the build that reads P from `chunk_scores`."""
+    label = f"fused_fwd({dtype}, block_v={block_v}" + (", keep_states=True" if keep_states else "") + (
+        ", scores=True" if scores else "") + ")"
+    flags = (keep_states, True) if scores else (True,) if keep_states else ()
+    return compile_from("fused_fwd", "build_fused_fwd", label, dtype, block_v, *flags)
+
+
+@functools.lru_cache(maxsize=None)
+def compiled_chunk_scores(dtype: str):
+    """The compiled masked, scaled chunk scores (chunk_scores.py) for `dtype`."""
+    return compile_from("chunk_scores", "build_chunk_scores", f"chunk_scores({dtype})", dtype)
 
 
 @functools.lru_cache(maxsize=None)
@@ -151,9 +185,12 @@ def kernel_configs(dtypes=KERNEL_DTYPES):
         for pair_sum in PAIR_SUMS:
             yield compiled_chunk_bwd_local, (dtype, pair_sum)
         yield compiled_gqa_sum, (dtype,)
+        yield compiled_chunk_scores, (dtype,)
         for block_v in BLOCK_V_CHOICES:
             yield compiled_fused_fwd, (dtype, block_v)
             yield compiled_fused_fwd, (dtype, block_v, True)
+            if block_v == SCORES_BLOCK_V:
+                yield compiled_fused_fwd, (dtype, block_v, False, True)
             yield compiled_chunk_states, (dtype, block_v)
             yield compiled_chunk_dstates, (dtype, block_v)
     for block_v in CHAIN_BLOCK_V_CHOICES:
@@ -486,11 +523,25 @@ def fused_forward(x: ChunkedCall, v, h0, scale: float, store_final: bool, states
     o = torch.empty_like(v3)
     block_v = block_v_on(x.q.device, x.num_seqs, x.num_v_heads)
     keep = states is not None  # the keep_states build: O and the states whatever store_states says (2 names that)
-    kernel = compiled_fused_fwd(x.dtype, block_v, True) if keep else compiled_fused_fwd(x.dtype, block_v)
     h_out = states if keep else _no_states(x.num_v_heads, v3.dtype, v3.device)
-    kernel(x.q, x.k, v3, x.GA, x.beta, x.gcum, x.cu, x.offsets, h0_arg, o, ht_arg, h_out, float(scale),
-           int(h0 is not None), int(store_final), 2 if keep else 0)
+    args = (x.q, x.k, v3, x.GA, x.beta, x.gcum, x.cu, x.offsets, h0_arg, o, ht_arg, h_out)
+    flags = (float(scale), int(h0 is not None), int(store_final), 2 if keep else 0)
+    if not keep and reads_chunk_scores(x.num_seqs, x.q.shape[1], x.num_v_heads, block_v):
+        P = chunk_scores(x, scale)
+        compiled_fused_fwd(x.dtype, block_v, False, True)(*args, P, *flags)
+    else:
+        kernel = compiled_fused_fwd(x.dtype, block_v, True) if keep else compiled_fused_fwd(x.dtype, block_v)
+        kernel(*args, *flags)
     return o, ht
+
+
+def chunk_scores(x: ChunkedCall, scale: float) -> torch.Tensor:
+    """Every chunk's P = scale (Lower(Gamma) o Q K^T), [T, Hv, 64] in the input dtype (chunk_scores.py), for
+    the fused walk's `scores` build."""
+    P = torch.empty(x.q.shape[0], x.num_v_heads, CHUNK, dtype=x.v.dtype, device=x.v.device)
+    compiled_chunk_scores(x.dtype)(x.q, x.k, x.gcum, x.cu, x.offsets, P, float(scale), x.chunk_slots,
+                                   x.num_seqs.bit_length())
+    return P
 
 
 def states_buffer(x: ChunkedCall) -> torch.Tensor:

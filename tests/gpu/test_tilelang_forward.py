@@ -202,6 +202,47 @@ def test_wy_inverse_writes_the_fp32_beta_it_reads_in_the_input_dtype(heads, pois
     assert torch.equal(copied.GA, converted.GA) and torch.equal(copied.gcum, converted.gcum)
 
 
+@pytest.mark.parametrize("Hqk,Hv,dtype", [(2, 8, torch.bfloat16), (1, 3, torch.float16), (4, 8, torch.bfloat16)])
+def test_narrow_tile_walk_reads_chunk_scores(Hqk, Hv, dtype, poisoned_outputs, monkeypatch):
+    """The fused walk's scores build (V tile 32) reads every chunk's P from chunk_scores. P is scale (Lower(Gamma) o
+    Q K^T) of every chunk (float64 within TOL, every row written: outputs NaN-poisoned); O and the final state
+    are bit for bit those of the build that forms P itself (FLASHQLA_CHUNK_SCORES=0: the same products and one
+    rounding), and match the float64 recurrence. A pack with 1-, 65-, 700-, 64- and 129-token sequences (taken
+    at V tile 32 whatever their traffic), g = 0 and strong-decay heads, GQA groups of 4, 3 and 2."""
+    from flashqla.kernels.hopper import launch
+
+    call = make_call([1, 65, 700, 64, 129], Hqk, Hv, dtype=dtype, seed=25)
+    monkeypatch.setattr(launch, "block_v_on", lambda device, num_seqs, num_v_heads: launch.SCORES_BLOCK_V)
+    monkeypatch.setattr(launch, "SCORES_MAX_BYTES", 1 << 30)
+    builds = []
+    real = launch.compiled_fused_fwd
+    monkeypatch.setattr(launch, "compiled_fused_fwd", lambda *args: builds.append(args[2:]) or real(*args))
+    o, ht = assert_matches(call)
+    monkeypatch.setenv(launch.SCORES_ENV, "0")
+    o_own, ht_own = run_kernels(call)
+    assert builds == [(False, True), ()]  # the scores build, then the plain one
+    assert torch.equal(o, o_own) and torch.equal(ht, ht_own)
+
+    x = launch.prepare(*(call[n] for n in ("q", "k", "v", "g", "beta", "cu_seqlens")))
+    P = launch.chunk_scores(x, 0.3)
+    bounds = call["cu_seqlens"].tolist()
+    group = Hv // Hqk
+    q, k = (call[n][0].double().repeat_interleave(group, 1) for n in ("q", "k"))
+    gcum = x.gcum.double()
+    worst = 0.0
+    for bos, eos in zip(bounds[:-1], bounds[1:]):
+        for t0 in range(bos, eos, 64):
+            n = min(64, eos - t0)
+            rows = slice(t0, t0 + n)
+            scores = torch.einsum("rhd,shd->hrs", q[rows], k[rows])
+            gates = gcum[:, rows]
+            mask = torch.ones(n, n, dtype=torch.bool, device="cuda").tril()
+            ref = 0.3 * torch.where(mask, scores * (gates[:, :, None] - gates[:, None, :]).clamp(max=0).exp(), 0.0)
+            worst = max(worst, rel_err(P[rows, :, :n].permute(1, 0, 2), ref))
+            assert (P[rows, :, n:] == 0).all()  # the columns past the sequence end are masked
+    assert worst <= TOL, worst
+
+
 def test_32k_sequence_matches_recurrence(poisoned_outputs):
     """Precision on a long sequence: 512 chunks of bf16 states, strong-decay and g = 0 heads."""
     assert_matches(make_call([32768], 2, 8, seed=12))
