@@ -13,10 +13,11 @@
     # the committed kernel with another value of its last runtime argument (here 2 v-heads per CTA)
     python3 scripts/ab_kernel.py run wy_inverse kernels/hopper/wy_inverse.py build_wy_inverse bfloat16 True True \\
         --variant-last-arg 2 --configs 2:8:16384x1
-    # a later launch of the same build (fused_fwd's second in a fwd+bwd is the backward's state recompute),
-    # against a variant built with other arguments (a V tile of 64 where the committed kernel's is 32)
-    python3 scripts/ab_kernel.py run fused_fwd path/to/variant.py build_fused_fwd bfloat16 32 \
-        --variant-args bfloat16,64 --launch-index 1 --configs 2:8:32768x1
+    # a later launch of the same build (fused_fwd's second in a fwd+bwd is the backward's state recompute; with
+    # FLASHQLA_CHUNK_SCORES=0, as the forward at (2, 8) x 32K runs the scores build otherwise), against a variant
+    # built with other arguments (a V tile of 64 where the committed kernel's is 32)
+    FLASHQLA_CHUNK_SCORES=0 python3 scripts/ab_kernel.py run fused_fwd path/to/variant.py build_fused_fwd \
+        bfloat16 32 --variant-args bfloat16,64 --launch-index 1 --configs 2:8:32768x1
 
 KERNEL names `launch.compiled_<KERNEL>`, the builder's arguments (integers, True/False, strings) are its
 build arguments. For every config (Hqk:Hv:tokens-per-sequence x sequences, bench_gdn's model-like inputs),

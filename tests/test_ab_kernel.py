@@ -199,10 +199,12 @@ print("returned")
     assert "Timeout" in done.stderr and "variant_that_never_returns" in done.stderr, done.stderr[-2000:]
 
 
-def test_a_later_launch_is_recorded_by_its_index(emulated):
-    # fused_fwd runs twice in one fwd+bwd: the forward (store_states 0), then the backward's state recompute (1)
+def test_a_later_launch_is_recorded_by_its_index(emulated, monkeypatch):
+    # fused_fwd's plain build runs twice in one fwd+bwd: the forward (store_states 0), then the backward's state
+    # recompute (1); the forward of one sequence of (2, 4) at V tile 32 would take the scores build
     from flashqla.kernels.hopper import launch
 
+    monkeypatch.setenv(launch.SCORES_ENV, "0")
     block_v = launch.block_v_on(torch.device("cpu"), 1, 4)
     step = lambda: ab_kernel.public_op_step(cpu_inputs(2, 4, [100]), "off")  # noqa: E731
     store_states = [ab_kernel.record_launch("fused_fwd", ("bfloat16", block_v), step, index)[1][-1]
