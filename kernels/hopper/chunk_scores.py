@@ -15,10 +15,10 @@ One CTA per (v-head, chunk slot), the v-heads fastest: Q and K (read by the grou
 after the first) and the gates while they load, Q K^T, the mask, a 16-byte store per thread of the rows inside
 the sequence: 37.7 us at (2, 8) x 32K on an H100 (1.8 TB/s), 225 at (32, 32) x 32K (3.0 TB/s, its memory
 bound). A CTA per (chunk, k-head) forming Q K^T once for its group's v-heads one after another took 44.6 and
-250. Chunk slot c finds its sequence by binary search
-in `chunk_offsets` (chunk_map.py); slots past the last chunk store nothing. Rows past the end
-of a sequence (the next sequence's tokens, or zeros past the tensor end) reach only rows that are not stored,
-or entries the causal mask removes; their gates repeat the sequence's last (walk_gates.py's convention).
+250. Chunk slot c finds its sequence by binary search in `chunk_offsets` (chunk_map.py); slots past the last
+chunk store nothing. Rows past the end of a sequence (the next sequence's tokens, or zeros past the tensor
+end) reach only rows that are not stored, or entries the causal mask removes; their gates repeat the
+sequence's last (walk_gates.py's convention).
 """
 import tilelang.language as T
 from tilelang.layout import make_swizzled_layout
