@@ -351,7 +351,7 @@ def build_fused_fwd(dtype: str, block_v: int, keep_states: bool = False, scores:
                                 store_rows(o, O_sh, bos + c * C, h, v0, T.min(C, seq_len - c * C))
                                 T.barrier_arrive(o_free)
 
-
+    # two signatures over one body: only the scores build takes P_in (the plain and keep builds' CUDA as before)
     if scores:
         @T.prim_func
         def fused_fwd(

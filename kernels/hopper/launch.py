@@ -114,8 +114,7 @@ def compiled_fused_fwd(dtype: str, block_v: int, keep_states: bool = False, scor
     also stores the state entering every chunk; `scores`: the build that reads P from `chunk_scores`."""
     label = f"fused_fwd({dtype}, block_v={block_v}" + (", keep_states=True" if keep_states else "") + (
         ", scores=True" if scores else "") + ")"
-    flags = (keep_states, True) if scores else (True,) if keep_states else ()
-    return compile_from("fused_fwd", "build_fused_fwd", label, dtype, block_v, *flags)
+    return compile_from("fused_fwd", "build_fused_fwd", label, dtype, block_v, keep_states, scores)
 
 
 @functools.lru_cache(maxsize=None)
