@@ -36,11 +36,12 @@ Roles (512 threads, four warpgroups; `T.set_max_nreg` moves registers from the p
   | 2 (output)| O (both halves) and P               | P = Q K^T and its mask, QS from the chain's S,     |
   |           |                                     | O = gamma QS + P V' from the chain's V'            |
   | 3         | warp 0: loader; warps 1-2: O store  | TMA loads of Q, K, V, GA, gates and beta of chunk  |
-  |           | (block_v < 128)                     | c + 1 into the other stage; O rows to global       |
+  |           | (block_v < 128)                     | c + 1 (.. c + 2 at V tile 32) into the free stages;|
+  |           |                                     | O rows to global                                   |
 The chain warpgroups never wait for each other: each owns its columns from the load of the chunk to the
 state update, so a step of the serial walk is three products of one warpgroup (K S, GA Vd, K^T V') and no
 hand-off. The output warpgroup runs beside them, half a chunk behind. mbarriers (arrive counts in the
-allocations) carry every hand-off, with phase parity c % 2 (stages: (c // 2) % 2):
+allocations) carry every hand-off, with phase parity c % 2 (input stages: (c // NS) % 2, NS stages):
     ready[s]   loader -> all      stage s holds chunk c (TMA bytes + the loader warp's gate stores)
     free[s]    all -> loader      every consumer is done with stage s
     s_ready    chain -> output    S entering chunk c is in S_sh0 / S_sh1
@@ -119,7 +120,11 @@ def build_fused_fwd(dtype: str, block_v: int, keep_states: bool = False, scores:
     # the output warpgroup's barrier before P V' waits for its P_sh rows, and at block_v 128 for the TMA store
     # that read O_sh; the scores build at block_v < 128 writes neither before it
     sync_before_pv = not (scores and store_by_producer)
-    score_stages = 2 if scores else 1  # P_in's tiles in shared memory, one per input stage (unused without)
+    # input stages: three at V tile 32 (room in shared memory; the walk alone, H100, 2026-12-06, outputs bitwise
+    # equal: the scores build 1.03x at (2, 8) x 16K and 32K, 0.99x at (4, 16) x 32K; the plain build 1.03x at (8, 24)
+    # and (16, 16) x 32K, 1.01x at (32, 32)), two elsewhere
+    NS = 3 if block_v == 32 and not keep_states else 2
+    score_stages = NS if scores else 1  # P_in's tiles in shared memory, one per input stage (unused without)
 
     def computes_o(store_states):
         """Whether the walk computes O: always in the keep_states build (a constant there), else with
@@ -145,9 +150,9 @@ def build_fused_fwd(dtype: str, block_v: int, keep_states: bool = False, scores:
         T.fence_proxy_async()
         T.barrier_arrive(s_ready)
         for c in T.serial(n_chunks):
-            stage = c % 2
+            stage = c % NS
             n_rows = T.min(C, seq_len - c * C)
-            T.barrier_wait(ready[stage], (c // 2) % 2)
+            T.barrier_wait(ready[stage], (c // NS) % 2)
             T.sync_threads(barrier_id, WG)  # this warpgroup's S_sh stores are fenced before K S reads them
             T.wgmma_gemm(K_s[stage, :, :], S_sh, KS, clear_accum=True)
             for r in T.Parallel(C):  # meanwhile the row decays and gamma_last S
@@ -205,13 +210,13 @@ def build_fused_fwd(dtype: str, block_v: int, keep_states: bool = False, scores:
             state_row = n * num_v_heads + h
             n_chunks = T.ceildiv(seq_len, C)
 
-            # two stages of chunk inputs (TMA), the chain's hand-offs to the output, O on its way out
-            Q_s = T.alloc_shared((2, C, D), dtype)
-            K_s = T.alloc_shared((2, C, D), dtype)
-            V_s = T.alloc_shared((2, C, BV), dtype)
-            GA_s = T.alloc_shared((2, C, C), dtype)
-            g_s = T.alloc_shared((2, C), "float32")  # base-2 gates
-            b_s = T.alloc_shared((2, C), "float32")  # beta
+            # NS stages of chunk inputs (TMA), the chain's hand-offs to the output, O on its way out
+            Q_s = T.alloc_shared((NS, C, D), dtype)
+            K_s = T.alloc_shared((NS, C, D), dtype)
+            V_s = T.alloc_shared((NS, C, BV), dtype)
+            GA_s = T.alloc_shared((NS, C, C), dtype)
+            g_s = T.alloc_shared((NS, C), "float32")  # base-2 gates
+            b_s = T.alloc_shared((NS, C), "float32")  # beta
             S_sh0, S_sh1 = T.alloc_shared((D, H), dtype), T.alloc_shared((D, H), dtype)
             Vd_sh0, Vd_sh1 = T.alloc_shared((C, H), dtype), T.alloc_shared((C, H), dtype)
             Vn_sh0, Vn_sh1 = T.alloc_shared((C, H), dtype), T.alloc_shared((C, H), dtype)
@@ -229,8 +234,8 @@ def build_fused_fwd(dtype: str, block_v: int, keep_states: bool = False, scores:
             P = T.alloc_fragment((C, C), "float32")
             gam_o = T.alloc_fragment((C,), "float32")  # scale gamma of each row
 
-            ready = T.alloc_barrier(arrive_count=[32, 32])  # the loader warp (and the TMA bytes)
-            free = T.alloc_barrier(arrive_count=[3 * WG, 3 * WG])
+            ready = T.alloc_barrier(arrive_count=[32] * NS)  # the loader warp (and the TMA bytes)
+            free = T.alloc_barrier(arrive_count=[3 * WG] * NS)
             s_ready = T.alloc_barrier(arrive_count=2 * WG)
             s_read = T.alloc_barrier(arrive_count=WG)
             vn_ready = T.alloc_barrier(arrive_count=2 * WG)
@@ -260,13 +265,13 @@ def build_fused_fwd(dtype: str, block_v: int, keep_states: bool = False, scores:
                         T.copy(S_sh0, h_out[slot, h, 0:D, v0:v0 + H])
                         T.copy(S_sh1, h_out[slot, h, 0:D, v0 + H:v0 + BV])
                         T.barrier_arrive(s_read)
-                        T.barrier_arrive(free[c % 2])
+                        T.barrier_arrive(free[c % NS])
                 else:  # O
                     for c in T.serial(n_chunks):
-                        stage = c % 2
+                        stage = c % NS
                         t0 = bos + c * C
                         n_rows = T.min(C, seq_len - c * C)
-                        T.barrier_wait(ready[stage], (c // 2) % 2)
+                        T.barrier_wait(ready[stage], (c // NS) % 2)
                         if not scores:
                             T.wgmma_gemm(Q_s[stage, :, :], K_s[stage, :, :], P, transpose_B=True, clear_accum=True)
                         T.barrier_wait(s_ready, c % 2)
@@ -329,11 +334,11 @@ def build_fused_fwd(dtype: str, block_v: int, keep_states: bool = False, scores:
                         T.tma_store_wait(0)
             else:
                 T.set_max_nreg(PRODUCER_REGS, 0)
-                if tx < 3 * WG + 32:  # loader: chunk c into stage c % 2 once every consumer freed it
+                if tx < 3 * WG + 32:  # loader: chunk c into stage c % NS once every consumer freed it
                     for c in T.serial(n_chunks):
-                        stage = c % 2
+                        stage = c % NS
                         t0 = bos + c * C
-                        T.barrier_wait(free[stage], (c // 2 + 1) % 2)
+                        T.barrier_wait(free[stage], (c // NS + 1) % 2)
                         if computes_o(store_states):
                             T.tma_copy(q[t0:t0 + C, hk, 0:D], Q_s[stage, :, :], barrier=ready[stage])
                         T.tma_copy(k[t0:t0 + C, hk, 0:D], K_s[stage, :, :], barrier=ready[stage])
