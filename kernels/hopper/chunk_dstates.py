@@ -86,6 +86,11 @@ def build_chunk_dstates(dtype: str, block_v: int):
     num_last = T.dynamic("num_last")
     C, D, BV, WG = CHUNK, HEAD_DIM, block_v, WARPGROUP
     H = BV // 2  # columns per chain warpgroup
+    # below V tile 128 the loader's serial loop is the walk's pace, and it gets the k-head as a variable set once:
+    # as an expression TileLang expands it into every TMA box's coordinates, two dynamic integer divisions each
+    # ((2, 8) x 32K at V tile 32: 851 -> 799 us, H100, 2026-12-06). At 128 the same variable made the walk 3.5%
+    # slower ((16, 32) 4K x 8: 468 -> 485 us), so that build keeps the expression.
+    narrow = BV < 128
 
     @T.macro
     def chain(half, barrier_id, v0, n, h, num_chunks, seq_len, state_row, chunk_offsets, dht, dh_out, dh0, use_dht,
@@ -178,7 +183,10 @@ def build_chunk_dstates(dtype: str, block_v: int):
         use_last: T.int32,
     ):
         with T.Kernel(D // BV, num_seqs, num_v_heads, threads=4 * WG) as (bv, n, h):
-            hk = h // (num_v_heads // num_qk_heads)
+            if narrow:
+                hk = T.alloc_var("int32")  # the loader's k-head (set in its branch, so it lives there only)
+            else:
+                hk = h // (num_v_heads // num_qk_heads)
             bos = cu_seqlens[n]
             seq_len = cu_seqlens[n + 1] - bos
             v0 = bv * BV
@@ -242,6 +250,8 @@ def build_chunk_dstates(dtype: str, block_v: int):
             else:
                 T.set_max_nreg(PRODUCER_REGS, 0)
                 if tx < 3 * WG + 32:  # loader: the i-th chunk walked into stage i % 2 once every consumer freed it
+                    if narrow:
+                        hk = h // (num_v_heads // num_qk_heads)
                     for i in T.serial(num_chunks):
                         c = num_chunks - 1 - i
                         stage = i % 2

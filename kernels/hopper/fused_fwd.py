@@ -72,7 +72,12 @@ against the row stores it had before, H200, 2026-12-02, kernel alone: 994 -> 813
 removing that store altogether gains nothing there.
 
 Gates: the loader stores the chunk's gates in base 2 (gcum x log2 e) and beta, rows past the sequence end
-repeating its last token, so no exp2 argument is positive and gamma_last is row C - 1. Rows past the end of a
+repeating its last token, so no exp2 argument is positive and gamma_last is row C - 1. It loads them into
+registers a chunk ahead and takes the k-head from a variable set once: at V tile 32 its serial loop set the
+walk's pace, with two integer divisions and two remainders per TMA box and the gate loads waited for in
+place (Nsight Compute: the loader warp busy all along, the chain warpgroups waiting for `ready` a fifth of
+their time). Since, (2, 8) x 32K 711 -> 613 us, (32, 32) x 32K 937 -> 830 (H100, 2026-12-06, docs/kernels.md,
+"Fifty-fourth session"). Rows past the end of a
 sequence are loaded as they are (the next sequence's tokens, or TMA's zero fill past the tensor end:
 finite); they reach only rows of V' and O that are not stored, except through the state update, where
 gamma_last / gamma is set to 0 for them.
@@ -84,7 +89,7 @@ fragment's layout is inferred for the threads of the branch that uses it).
 import tilelang.language as T
 from tilelang.layout import make_swizzled_layout
 
-from .walk_gates import load_gate_rows
+from .walk_gates import gate_regs_to_shared, gate_rows_to_regs
 
 CHUNK = 64
 HEAD_DIM = 128
@@ -203,7 +208,7 @@ def build_fused_fwd(dtype: str, block_v: int, keep_states: bool = False, scores:
              store_states):
         """The kernel, for both signatures below (P_in: the scores build's precomputed P, else None)."""
         with T.Kernel(D // BV, num_seqs, num_v_heads, threads=4 * WG) as (bv, n, h):
-            hk = h // (num_v_heads // num_qk_heads)
+            hk = T.alloc_var("int32")  # the loader's k-head (set in its branch, so it lives there only)
             bos = cu_seqlens[n]
             seq_len = cu_seqlens[n + 1] - bos
             v0 = bv * BV
@@ -233,6 +238,7 @@ def build_fused_fwd(dtype: str, block_v: int, keep_states: bool = False, scores:
             O0, O1 = T.alloc_fragment((C, H), "float32"), T.alloc_fragment((C, H), "float32")
             P = T.alloc_fragment((C, C), "float32")
             gam_o = T.alloc_fragment((C,), "float32")  # scale gamma of each row
+            g_r, b_r = T.alloc_local((C // 32,), "float32"), T.alloc_local((C // 32,), "float32")  # loader: next gates
 
             ready = T.alloc_barrier(arrive_count=[32] * NS)  # the loader warp (and the TMA bytes)
             free = T.alloc_barrier(arrive_count=[3 * WG] * NS)
@@ -335,6 +341,12 @@ def build_fused_fwd(dtype: str, block_v: int, keep_states: bool = False, scores:
             else:
                 T.set_max_nreg(PRODUCER_REGS, 0)
                 if tx < 3 * WG + 32:  # loader: chunk c into stage c % NS once every consumer freed it
+                    # the k-head once: an expression here would be expanded into every TMA box's coordinates, two
+                    # dynamic integer divisions each in this serial loop
+                    hk = h // (num_v_heads // num_qk_heads)
+                    lane = tx - 3 * WG
+                    if n_chunks > 0:
+                        gate_rows_to_regs(gcum, beta, g_r, b_r, h, bos, seq_len - 1, lane)
                     for c in T.serial(n_chunks):
                         stage = c % NS
                         t0 = bos + c * C
@@ -346,8 +358,10 @@ def build_fused_fwd(dtype: str, block_v: int, keep_states: bool = False, scores:
                         T.tma_copy(GA[t0:t0 + C, h, 0:C], GA_s[stage, :, :], barrier=ready[stage])
                         if scores:
                             T.tma_copy(P_in[t0:t0 + C, h, 0:C], P_s[stage, :, :], barrier=ready[stage])
-                        load_gate_rows(gcum, beta, g_s, b_s, stage, h, t0, seq_len - c * C - 1)
+                        gate_regs_to_shared(g_r, b_r, g_s, b_s, stage, lane)
                         T.barrier_arrive(ready[stage])
+                        if c + 1 < n_chunks:  # the next chunk's gates, in flight while the loader waits for its stage
+                            gate_rows_to_regs(gcum, beta, g_r, b_r, h, t0 + C, seq_len - (c + 1) * C - 1, lane)
                 elif tx < 3 * WG + 96:
                     if store_by_producer:  # two warps store O (16 bytes per thread and store)
                         if computes_o(store_states):
