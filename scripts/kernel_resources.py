@@ -140,6 +140,25 @@ def barriers_in_unrolled_loops(source: str) -> list[tuple[int, str]]:
             if inside and THREAD_BARRIER.search(line)]
 
 
+# an integer division or remainder by one of the kernel's dynamic sizes (TileLang names them num_*), or the
+# temporaries of TVM's floor-division lowering
+DYNAMIC_DIVISION = re.compile(r"[/%] \(*(\(int\))?num_\w+|\bint r(div|mod)(_\d+)? =")
+
+
+def _loop(line, previous):
+    return "loop" if line.lstrip().startswith("for (") else None
+
+
+def dynamic_divisions_in_loops(source: str) -> list[tuple[int, str]]:
+    """(line number, line) of every integer division or remainder by a dynamic size inside a loop of the
+    generated CUDA. An index expression written once in a kernel (a GQA k-head `h // (Hv // Hqk)`) is expanded
+    into every use, so it is recomputed wherever it is used in a loop: in fused_fwd's loader, two divisions
+    and two remainders per TMA box and chunk on the walk's one serial warp, which set the V-tile-32 walk's pace
+    (docs/kernels.md, "Fifty-fourth session"). A variable set once outside the loop holds it instead."""
+    return [(number, line.strip()) for number, line, inside in _lines_in_blocks(source, _loop)
+            if inside and DYNAMIC_DIVISION.search(line)]
+
+
 def launch_shared_memory(host: str, threads: int) -> int:
     """Dynamic shared memory of the kernel's launch in TileLang's host code: the launch's integer arguments end
     with the block (threads, 1, 1) and then the dynamic shared memory, left out when there is none."""

@@ -5,7 +5,8 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
 
-from kernel_resources import barrier_hazards, barriers_in_unrolled_loops, launch_shared_memory, sass_counts  # noqa: E402
+from kernel_resources import (barrier_hazards, barriers_in_unrolled_loops, dynamic_divisions_in_loops,  # noqa: E402
+                              launch_shared_memory, sass_counts)
 
 # a TMA issue in a loop, as TileLang 0.1.15 generated it for the persistent chunk_bwd_local variant: the
 # storage-sync pass put the gradients warpgroup's barrier inside the branch one thread takes
@@ -147,3 +148,28 @@ def test_sass_counts_read_every_instruction_and_its_kind():
     counts = sass_counts(SASS)
     assert counts == {"instructions": 7, "branches": 1, "BSSY": 1, "MUFU": 1, "shared loads": 1, "spill loads": 1,
                       "spill stores": 1}
+
+
+# a loader loop as TileLang 0.1.15 generated it for fused_fwd with the k-head written as an expression (TVM's floor
+# division of dynamic sizes inside the loop), beside a division by a constant and one before the loop
+LOADER_WITH_DIVISIONS = """\
+    int group = (num_v_heads / num_qk_heads);
+    for (int c_4 = 0; c_4 < ((seq_len + 63) >> 6); ++c_4) {
+      free[(c_4 % 3)].wait((((c_4 / 3) + 1) & 1));
+      if (tl::tl_shuffle_elect<32>()) {
+        #pragma unroll
+        for (int i_25 = 0; i_25 < 2; ++i_25) {
+          int rmod = (num_v_heads % num_qk_heads);
+          int rdiv_2 = (((int)blockIdx.z) / hk_group);
+          tl::tma_load(k_desc, ready[(c_4 % 3)], K_s, (i_25 * 64), ((c_4 * 64) + t0), (((int)blockIdx.z) / (num_v_heads / num_qk_heads)));
+        }
+      }
+    }
+    hk = (((int)blockIdx.z) / group);
+"""
+
+
+def test_dynamic_divisions_inside_loops_are_found_and_constant_or_hoisted_ones_are_not():
+    found = dynamic_divisions_in_loops(LOADER_WITH_DIVISIONS)
+    assert [number for number, _ in found] == [7, 8, 9]
+    assert "rmod" in found[0][1] and "rdiv_2" in found[1][1] and "tma_load" in found[2][1]
