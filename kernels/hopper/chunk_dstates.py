@@ -87,9 +87,9 @@ def build_chunk_dstates(dtype: str, block_v: int):
     C, D, BV, WG = CHUNK, HEAD_DIM, block_v, WARPGROUP
     H = BV // 2  # columns per chain warpgroup
     # below V tile 128 the loader's serial loop is the walk's pace, and it gets the k-head as a variable set once:
-    # as an expression TileLang expands it into every TMA box's coordinates, two dynamic integer divisions each
-    # ((2, 8) x 32K at V tile 32: 851 -> 799 us, H100, 2026-12-06). At 128 the same variable made the walk 3.5%
-    # slower ((16, 32) 4K x 8: 468 -> 485 us), so that build keeps the expression.
+    # as an expression TileLang expands it into every TMA box's coordinates, two integer divisions and two
+    # remainders by dynamic sizes each ((2, 8) x 32K at V tile 32: 851 -> 799 us, H100, 2026-12-06). At 128 the
+    # same variable made the walk 3.5% slower ((16, 32) 4K x 8: 468 -> 485 us), so that build keeps the expression.
     narrow = BV < 128
 
     @T.macro

@@ -342,7 +342,7 @@ def build_fused_fwd(dtype: str, block_v: int, keep_states: bool = False, scores:
                 T.set_max_nreg(PRODUCER_REGS, 0)
                 if tx < 3 * WG + 32:  # loader: chunk c into stage c % NS once every consumer freed it
                     # the k-head once: an expression here would be expanded into every TMA box's coordinates, two
-                    # dynamic integer divisions each in this serial loop
+                    # integer divisions and two remainders each in this serial loop
                     hk = h // (num_v_heads // num_qk_heads)
                     lane = tx - 3 * WG
                     if n_chunks > 0:
