@@ -27,4 +27,3 @@ def test_every_unlanded_patch_is_described():
 def test_pending_patch_applies(patch):
     result = subprocess.run(["git", "apply", "--check", str(patch)], cwd=ROOT, capture_output=True, text=True)
     assert result.returncode == 0, f"{patch.name} no longer applies: {result.stderr}"
-
