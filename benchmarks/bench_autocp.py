@@ -3,6 +3,7 @@
     python benchmarks/bench_autocp.py [--lengths off,auto,32,64,128] [--reps 20] [--configs all|0,3]
     python benchmarks/bench_autocp.py --sweep [--out tests/data/autocp_sweep_h200.txt]
     python benchmarks/bench_autocp.py --sweep packs [--out tests/data/autocp_sweep_packs_h100.txt]
+    python benchmarks/bench_autocp.py --sweep long [--out tests/data/autocp_sweep_long_h100.txt]
 
 Per configuration and intra_cp: forward (CUDA-graph median), fwd+bwd eager and CUDA-graph medians, and the
 host time of one fwd+bwd call (issue time, before the GPU finishes).
@@ -12,6 +13,8 @@ sequence, forward and fwd+bwd CUDA-graph medians only, one line per config in th
 tests/test_intra_cp.py reads from tests/data/autocp_sweep_h200.txt.
 --sweep packs: the same over training rows packed with documents (doc_packs.py: lognormal lengths in the
 order drawn, the last one cut at the row's end), the planner's other case: rows of unequal length.
+--sweep long: one sequence of 256K to 1M tokens at 8 to 32 v-heads, segments of 64 to 512 chunks (unsegmented
+is a serial walk of up to 16K chunks there, left out): where the planner chooses beyond the first sweeps' 128K.
 """
 from __future__ import annotations
 
@@ -36,6 +39,10 @@ CONFIGS = [(2, 8, [32768]), (2, 8, [16384]), (2, 8, [8192]), (4, 16, [32768]), (
 
 
 SWEEP_LENGTHS = (0, 8, 16, 32, 64, 128)  # chunks, 0 = off
+LONG_LENGTHS = (64, 128, 256, 512)  # chunks, for the long sequences
+# (Hqk, Hv, tokens) of the long-sequence sweep: fwd+bwd of the largest fits an 80 GB H100 inside a CUDA graph
+LONG_CONFIGS = ((2, 8, 262144), (4, 16, 262144), (8, 32, 262144), (2, 8, 524288), (4, 16, 524288),
+                (2, 8, 1048576), (4, 16, 1048576))
 PACK_HEADS = ((1, 4), (2, 8), (4, 16), (8, 32))  # (Hqk, Hv) of the packed-row sweep
 
 
@@ -52,9 +59,14 @@ def sweep_configs():
     return [(f"{name}{Hqk},{Hv} {sequences_label(seqs)}", Hqk, Hv, list(seqs)) for name, Hqk, Hv, seqs in named]
 
 
-def sweep(reps, out_path, configs=None):
-    """One line per config of `configs` (default: sweep_configs()): 'label: planned L (fwd/fwd+bwd); best fwd
-    L.., fwd+bwd L..; L0=f/b L8=f/b ...'."""
+def long_configs():
+    """(label, Hqk, Hv, lengths) of the long-sequence sweep."""
+    return [(f"{Hqk},{Hv} {sequences_label([T])}", Hqk, Hv, [T]) for Hqk, Hv, T in LONG_CONFIGS]
+
+
+def sweep(reps, out_path, configs=None, lengths=SWEEP_LENGTHS):
+    """One line per config of `configs` (default: sweep_configs()) at each of `lengths` (and the planned L):
+    'label: planned L (fwd/fwd+bwd); best fwd L.., fwd+bwd L..; L0=f/b L8=f/b ...'."""
     from flashqla.cp.plan import resolve_segment_chunks
 
     lines = []
@@ -64,7 +76,7 @@ def sweep(reps, out_path, configs=None):
         do = torch.randn_like(v)
         planned = resolve_segment_chunks("auto", tuple(seqs), Hv, q.device, "tilelang")
         times = {}
-        for L in sorted(set(SWEEP_LENGTHS) | {planned}):
+        for L in sorted(set(lengths) | {planned}):
             if L and L >= max(seqs) // 64:
                 continue
             intra_cp = L if L else "off"
@@ -90,9 +102,9 @@ def sweep(reps, out_path, configs=None):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--sweep", nargs="?", const="matrix", choices=("matrix", "packs"),
-                    help="the planner's calibration sweep (see above): FlashQLA's matrix and bench_gdn's configs, or "
-                    "rows packed with documents")
+    ap.add_argument("--sweep", nargs="?", const="matrix", choices=("matrix", "packs", "long"),
+                    help="the planner's calibration sweep (see above): FlashQLA's matrix and bench_gdn's configs, "
+                    "rows packed with documents, or single sequences of 256K to 1M tokens")
     ap.add_argument("--out", default="", help="with --sweep: also write the lines here")
     ap.add_argument("--lengths", default="off,32,64,128", help="intra_cp values: 'off', 'auto' and segment lengths in "
                     "chunks")
@@ -100,7 +112,10 @@ def main():
     ap.add_argument("--configs", default="all", help="indices into CONFIGS ('all' or '0,3'; 8-10: packed rows)")
     args = ap.parse_args()
     if args.sweep:
-        sweep(max(args.reps, 30), args.out, pack_configs() if args.sweep == "packs" else None)
+        if args.sweep == "long":
+            sweep(max(args.reps, 30), args.out, long_configs(), LONG_LENGTHS)
+        else:
+            sweep(max(args.reps, 30), args.out, pack_configs() if args.sweep == "packs" else None)
         return
     picked = range(len(CONFIGS)) if args.configs == "all" else [int(i) for i in args.configs.split(",")]
     choices = [x if x in ("off", "auto") else int(x) for x in args.lengths.split(",")]

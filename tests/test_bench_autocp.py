@@ -1,5 +1,6 @@
 """benchmarks/bench_autocp.py --sweep (no GPU, nothing timed): it writes the lines the planner's test reads back
-(tests/test_intra_cp.py), for every config, off and every L shorter than the longest sequence, and the planned L."""
+(tests/test_intra_cp.py), for every config, every L of its sweep shorter than the longest sequence (off among them,
+but in the long-sequence sweep), and the planned L."""
 import sys
 from pathlib import Path
 
@@ -11,7 +12,7 @@ import bench_autocp  # noqa: E402
 from test_intra_cp import read_sweep  # noqa: E402
 
 
-@pytest.mark.parametrize("which,count", [("matrix", 42), ("packs", 24)])
+@pytest.mark.parametrize("which,count", [("matrix", 42), ("packs", 24), ("long", 7)])
 def test_sweep_writes_what_the_planner_test_reads(tmp_path, monkeypatch, which, count):
     timed = []
 
@@ -25,8 +26,10 @@ def test_sweep_writes_what_the_planner_test_reads(tmp_path, monkeypatch, which, 
     monkeypatch.setattr(bench_autocp, "make_inputs", fake_inputs)
     monkeypatch.setattr(bench_autocp, "graph_median_ms", fake_time)
     out = tmp_path / "sweep.txt"
-    configs = bench_autocp.sweep_configs() if which == "matrix" else bench_autocp.pack_configs()
-    bench_autocp.sweep(30, str(out), configs)
+    configs = {"matrix": bench_autocp.sweep_configs, "packs": bench_autocp.pack_configs,
+               "long": bench_autocp.long_configs}[which]()
+    sweep_lengths = bench_autocp.LONG_LENGTHS if which == "long" else bench_autocp.SWEEP_LENGTHS
+    bench_autocp.sweep(30, str(out), configs, sweep_lengths)
 
     from flashqla.cp.plan import calibrated_segment_chunks
 
@@ -35,8 +38,7 @@ def test_sweep_writes_what_the_planner_test_reads(tmp_path, monkeypatch, which, 
     for (label, heads, lengths, times), (name, _, Hv, seqs) in zip(rows, configs):
         assert label == name and heads == Hv and lengths == tuple(seqs)
         longest = max(seqs) // 64
-        assert set(times) == {L for L in bench_autocp.SWEEP_LENGTHS if L < longest} | {0}
-        assert calibrated_segment_chunks(lengths, heads) in times
+        assert set(times) == {L for L in sweep_lengths if L < longest} | {calibrated_segment_chunks(lengths, heads)}
     assert len(timed) == 2 * sum(len(t) for *_, t in rows)  # forward and fwd+bwd of each
 
 
