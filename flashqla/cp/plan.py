@@ -103,7 +103,12 @@ def auto_segment_chunks(lengths: tuple[int, ...], heads: int, sm_count: int) -> 
 # 32 v-heads L = 8 where off was 1.63x faster forward, 1.26x fwd+bwd; 17% and 8% off on the geometric mean);
 # with the waves' mean rows and the passes on cut sequences only, 1.1% and 1.0% off, the one miss a 7-document
 # row at 32 v-heads left unsegmented where L = 32 or 64 is 1.17x / 1.15x faster.
-TILELANG_SEGMENT_CHOICES = (8, 16, 32, 64, 128)  # chunks
+# One sequence of 256K to 1M tokens (fifty-seventh session, H100, tests/data/autocp_sweep_long_h100.txt, 7 configs at 8
+# to 32 v-heads, segments of 64 to 512 chunks): with choices up to 128 the rule took 128 everywhere, up to 1.12x off the
+# best forward at 1M tokens (fewer segments: fewer exact summaries and chain steps) and 1.044x off the best fwd+bwd;
+# with 256 and 512 among them, within 1.016x and 1.020x (the cost model's own picks, unchanged). No config of the
+# three sweeps above changes its L.
+TILELANG_SEGMENT_CHOICES = (8, 16, 32, 64, 128, 256, 512)  # chunks
 SEGMENTED_PASSES = 2.75
 WALK_OVERLAP = 1.25
 SEGMENT_STEPS = 2.5
