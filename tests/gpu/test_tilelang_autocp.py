@@ -33,6 +33,20 @@ def test_forced_segments_on_a_varlen_pack_match_recurrence(cp_warmup):
     assert rel_err(o, o_ref) <= 1.1 * rel_err(o_plain, o_ref) + 1e-4, (rel_err(o, o_ref), rel_err(o_plain, o_ref))
 
 
+@pytest.mark.parametrize("segment_chunks", [256, 512])
+def test_segments_of_hundreds_of_chunks_match_recurrence(segment_chunks):
+    """The planner's longest segments (256 and 512 chunks, chosen for one sequence of 256K tokens or more) on a pack
+    whose long sequence they cut into two or three, the last one partial, beside a short sequence; g = 0 and
+    strongly decaying heads, initial states. The float64 recurrence is the oracle, and the unsegmented call's error
+    against it the bar, as in the forced-segments test above."""
+    call = make_call([40000, 700], 2, 8, seed=6)
+    o, ht = op(call, intra_cp=segment_chunks)
+    o_ref, ht_ref = reference(call)
+    o_plain, _ = op(call, intra_cp="off")
+    assert rel_err(o, o_ref) <= TOL and rel_err(ht, ht_ref) <= TOL, (rel_err(o, o_ref), rel_err(ht, ht_ref))
+    assert rel_err(o, o_ref) <= 1.1 * rel_err(o_plain, o_ref) + 1e-4, (rel_err(o, o_ref), rel_err(o_plain, o_ref))
+
+
 def test_auto_plan_segments_one_long_sequence_at_tp8_and_matches_recurrence():
     call = make_call([16384], 2, 8, with_h0=False, seed=4)
     assert resolve_segment_chunks("auto", (16384,), 8, call["q"].device, "tilelang") > 0
