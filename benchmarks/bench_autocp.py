@@ -64,13 +64,20 @@ def long_configs():
     return [(f"{Hqk},{Hv} {sequences_label([T])}", Hqk, Hv, [T]) for Hqk, Hv, T in LONG_CONFIGS]
 
 
-def sweep(reps, out_path, configs=None, lengths=SWEEP_LENGTHS):
-    """One line per config of `configs` (default: sweep_configs()) at each of `lengths` (and the planned L):
+def sweep_of(which):
+    """(configs, segment lengths) of the --sweep named `which`: "matrix", "packs" or "long"."""
+    configs, lengths = {"matrix": (sweep_configs, SWEEP_LENGTHS), "packs": (pack_configs, SWEEP_LENGTHS),
+                        "long": (long_configs, LONG_LENGTHS)}[which]
+    return configs(), lengths
+
+
+def sweep(reps, out_path, configs, lengths):
+    """One line per config of `configs` at each of `lengths` (and the planned L), as `sweep_of` gives them:
     'label: planned L (fwd/fwd+bwd); best fwd L.., fwd+bwd L..; L0=f/b L8=f/b ...'."""
     from flashqla.cp.plan import resolve_segment_chunks
 
     lines = []
-    for label, Hqk, Hv, seqs in sweep_configs() if configs is None else configs:
+    for label, Hqk, Hv, seqs in configs:
         q, k, v, g, beta, cu = make_inputs(Hqk, Hv, seqs)
         leaves = [t.detach().requires_grad_(True) for t in (q, k, v, g, beta)]
         do = torch.randn_like(v)
@@ -112,10 +119,7 @@ def main():
     ap.add_argument("--configs", default="all", help="indices into CONFIGS ('all' or '0,3'; 8-10: packed rows)")
     args = ap.parse_args()
     if args.sweep:
-        if args.sweep == "long":
-            sweep(max(args.reps, 30), args.out, long_configs(), LONG_LENGTHS)
-        else:
-            sweep(max(args.reps, 30), args.out, pack_configs() if args.sweep == "packs" else None)
+        sweep(max(args.reps, 30), args.out, *sweep_of(args.sweep))
         return
     picked = range(len(CONFIGS)) if args.configs == "all" else [int(i) for i in args.configs.split(",")]
     choices = [x if x in ("off", "auto") else int(x) for x in args.lengths.split(",")]

@@ -26,9 +26,7 @@ def test_sweep_writes_what_the_planner_test_reads(tmp_path, monkeypatch, which, 
     monkeypatch.setattr(bench_autocp, "make_inputs", fake_inputs)
     monkeypatch.setattr(bench_autocp, "graph_median_ms", fake_time)
     out = tmp_path / "sweep.txt"
-    configs = {"matrix": bench_autocp.sweep_configs, "packs": bench_autocp.pack_configs,
-               "long": bench_autocp.long_configs}[which]()
-    sweep_lengths = bench_autocp.LONG_LENGTHS if which == "long" else bench_autocp.SWEEP_LENGTHS
+    configs, sweep_lengths = bench_autocp.sweep_of(which)
     bench_autocp.sweep(30, str(out), configs, sweep_lengths)
 
     from flashqla.cp.plan import calibrated_segment_chunks
