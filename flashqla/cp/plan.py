@@ -33,6 +33,11 @@ class SegmentPlan:
         return any(p > 0 for p in self.position)
 
     @property
+    def bounds(self) -> tuple[int, ...]:
+        """The rows' token bounds in the flat stream (rows are consecutive): the kernels' cu_seqlens, on the host."""
+        return self.starts + (self.starts[-1] + self.lengths[-1],)
+
+    @property
     def first_rows(self) -> tuple[int, ...]:
         return tuple(r for r, p in enumerate(self.position) if p == 0)
 

@@ -323,6 +323,7 @@ class BackwardPrologue:
     D: torch.Tensor
     shapes: tuple
     has_h0: bool
+    bounds: tuple  # the rows' token bounds on the host (`SegmentPlan.bounds`)
     states: torch.Tensor | None = None  # the per-chunk states the forward kept (`keep_states`), or None
     exits_without_dht: torch.Tensor | None = None  # the mirror scan with no dht, once `entering_gradient` ran it
 
@@ -353,7 +354,7 @@ def backward_prologue(hopper, q, k, v, g, beta, scale, initial_state, plan: Segm
         last_chunks = _reverse_walk_last_chunks(idx, x.gcum, cp_warmup)
     _, D = hopper.state_gradients(x, do, scale, None, store_dh=False, last_chunks=last_chunks)
     return BackwardPrologue(idx, packed, x, starts, do, scale, D, tuple(t.shape for t in (q, k, v, g, beta)),
-                            initial_state is not None, None if kept.inverse is None else kept.inverse.states)
+                            initial_state is not None, plan.bounds, None if kept.inverse is None else kept.inverse.states)
 
 
 def backward_finish(hopper, pro: BackwardPrologue, dht):
@@ -366,7 +367,7 @@ def backward_finish(hopper, pro: BackwardPrologue, dht):
             return pro.exits_without_dht
         return exit_gradients(hopper, pro.D, M, exact, pro.idx, dht)
 
-    *grads, dS0 = hopper.backward_of(pro.x, *pro.packed, pro.do, pro.scale, S0, exits, pro.states)
+    *grads, dS0 = hopper.backward_of(pro.x, *pro.packed, pro.do, pro.scale, S0, exits, pro.states, pro.bounds)
     grads = [grad.view(shape) for grad, shape in zip(grads, pro.shapes)]
     return (*grads, dS0[pro.idx.first] if pro.has_h0 else None)
 

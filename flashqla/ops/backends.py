@@ -253,7 +253,8 @@ def backward(name: str, call: Call, scale: float, plan, cp_warmup, do, dht, kept
                                                cp_warmup, do, dht, kept=kept)
         cu, chunk_offsets = kernel_layout(c, plan)
         return hopper.chunk_gdn_bwd(c.q, c.k, c.v, c.g, c.beta, scale, c.initial_state, cu, do, dht,
-                                    kept=None if kept is None else kept.inverse, chunk_offsets=chunk_offsets)
+                                    kept=None if kept is None else kept.inverse, chunk_offsets=chunk_offsets,
+                                    row_bounds=plan.bounds)
     return torch_backend.backward(c.q, c.k, c.v, c.g, c.beta, scale, c.initial_state, plan, do, dht, cp_warmup)
 
 

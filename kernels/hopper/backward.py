@@ -21,11 +21,14 @@ segments as the sequences.
 from __future__ import annotations
 
 import functools
+import itertools
+import math
+import os
 
 import torch
 
 from .. import switched_on
-from .launch import (HEAD_DIM, ChunkedCall, block_v_on, compiled_chunk_bwd_local, compiled_chunk_dstates,
+from .launch import (CHUNK, HEAD_DIM, ChunkedCall, block_v_on, compiled_chunk_bwd_local, compiled_chunk_dstates,
                      compiled_gqa_sum, fused_states, prepare, prepare_from_kept, sm_count_on, states_buffer,
                      walks_fill)
 
@@ -101,18 +104,132 @@ def state_gradients(x: ChunkedCall, do: torch.Tensor, scale: float, dht, store_d
 STATES_BESIDE_CHAIN_ENV = "FLASHQLA_STATES_BESIDE_CHAIN"
 
 
-def backward_of(x: ChunkedCall, q, k, v, g, beta, do, scale, h0, dht, states=None):
+# The backward holds the state entering every chunk and its gradient (h and dh, 2 x 32 KiB per chunk and v-head
+# in bf16: 1 KB per token and v-head, 32 GiB at 1M tokens x 32 v-heads) while chunk_bwd_local runs. Above a budget
+# the rows (sequences, or intra-card CP's segments) are taken in slices of consecutive rows, each slice's h and dh
+# allocated, used and freed before the next; every output is the same bits (no kernel's item spans two rows).
+# FLASHQLA_BWD_STATES_GIB sets the budget (default: a sixteenth of the device's memory, 5 GiB on an 80 GB H100).
+STATES_BUDGET_ENV = "FLASHQLA_BWD_STATES_GIB"
+STATES_BUDGET_SHARE = 16  # the default budget: the device's memory over this
+
+
+def states_budget(device: torch.device) -> float:
+    """Bytes of h and dh one slice of the backward may hold on `device` (`STATES_BUDGET_ENV`); unbounded on the
+    CPU unless the variable is set (the emulated kernels' tests set it)."""
+    given = os.environ.get(STATES_BUDGET_ENV, "").strip()
+    if given:
+        budget = float(given) * 2 ** 30
+        if not budget > 0:
+            raise ValueError(f"{STATES_BUDGET_ENV} must be a positive number of GiB, got {given!r}")
+        return budget
+    if device.type != "cuda":
+        return float("inf")
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return torch.cuda.get_device_properties(index).total_memory / STATES_BUDGET_SHARE
+
+
+def row_slices(chunks: list[int], state_bytes_per_chunk: int, budget: float, min_rows: int) -> list[tuple[int, int]]:
+    """Consecutive row ranges [r0, r1) covering rows with `chunks` chunks each: one range when the rows' h and dh
+    (`state_bytes_per_chunk` per chunk) fit in `budget`; else the fewest slices that would bring equal shares
+    under it, but no more than leave `min_rows` rows a slice (fewer walks than SMs would lengthen the walks: at a
+    wave or more per slice the slices' walks take what the whole one did), filled in order up to that share
+    (a row larger than the share takes a slice of its own)."""
+    total = sum(chunks)
+    wanted = math.ceil(total * state_bytes_per_chunk / budget) if total else 1
+    count = min(wanted, len(chunks) // max(min_rows, 1))
+    if count <= 1:
+        return [(0, len(chunks))]
+    share = math.ceil(total / count)
+    cuts, held = [0], 0
+    for row, row_chunks in enumerate(chunks):
+        if row > cuts[-1] and held + row_chunks > share:
+            cuts.append(row)
+            held = 0
+        held += row_chunks
+    cuts.append(len(chunks))
+    return list(zip(cuts, cuts[1:]))
+
+
+def _rows_of(x: ChunkedCall, r0: int, r1: int, bounds, chunk_starts) -> ChunkedCall:
+    """Rows r0 .. r1 - 1 of `x` as a call of their own: token views [t0, t1) of its tensors (contiguous along the
+    tokens), the gates copied ([Hv, T] is not), cu_seqlens and chunk offsets rebased on the device (no sync)."""
+    t0, t1, c0, c1 = bounds[r0], bounds[r1], chunk_starts[r0], chunk_starts[r1]
+    return ChunkedCall(x.q[t0:t1], x.k[t0:t1], x.v[t0:t1], x.beta[t0:t1], x.GA[t0:t1], x.gcum[:, t0:t1].contiguous(),
+                       x.cu[r0:r1 + 1] - t0, x.offsets[r0:r1 + 1] - c0, c1 - c0, x.dtype)
+
+
+def backward_of(x: ChunkedCall, q, k, v, g, beta, do, scale, h0, dht, states=None, row_bounds=None):
     """Gradients of the sequences of `x` (`prepare`d, or from a kept inverse) from dO
     (`output_gradient`) with the output scale, their initial states h0 and the gradients dht of their
     final states (fp32 [N, Hv, 128, 128] or None, or a function of no arguments that returns them, which runs on
     the current stream, beside the state recompute where that runs on a second stream): (dq, dk, dv, dg, dbeta)
     shaped and typed like q, k, v, g, beta, and dS0 fp32 [N, Hv, 128, 128].
     states: the state entering every chunk when the forward kept it (`KeptInverse.states`): no recompute.
+    row_bounds: the sequences' token bounds on the host (x.cu's values, N + 1 of them), which let the backward run
+    in slices of sequences when their h and dh exceed `states_budget` (else one launch of each kernel for all).
     Releases the per-chunk states before the sums: T x Hv x 1 KB (h and dh) less held there (dh alone when
     the forward kept h: the autograd context holds it until the backward returns)."""
     B, T, Hqk, D = q.shape
     Hv = v.shape[2]
     device = q.device
+    # per v-head (or pair) in the input dtype: half the bytes of fp32 written here and read by the GQA sums (and
+    # T x Hv x 512 bytes less memory at the peak); the sums accumulate in fp32 and round once more
+    group = Hv // Hqk
+    pair_sum = dqk_sum_build(group)
+    rows = Hv // 2 if pair_sum == "ordered" else Hv  # dq and dk rows per token
+    slices = [(0, x.num_seqs)]
+    if row_bounds is not None:
+        chunks = [-(-(b - a) // CHUNK) for a, b in zip(row_bounds, row_bounds[1:])]
+        min_rows = -(-sm_count_on(device) // Hv) if device.type == "cuda" else 1
+        slices = row_slices(chunks, 2 * Hv * D * D * x.v.element_size(), states_budget(device), min_rows)
+    grads = _gradient_buffers(B * T, rows, Hv, do.dtype, device)
+    if len(slices) == 1:
+        dS0 = _local_gradients(x, do, scale, h0, dht, states, pair_sum, grads)
+    else:
+        chunk_starts = list(itertools.accumulate(chunks, initial=0))
+        exits = functools.cache(dht) if callable(dht) else None
+        dS0 = torch.empty(x.num_seqs, Hv, D, D, dtype=torch.float32, device=device)
+        for r0, r1 in slices:
+            t0, t1 = row_bounds[r0], row_bounds[r1]
+            if exits is None:
+                part_dht = None if dht is None else dht[r0:r1]
+            elif r0 == 0:  # computed beside the first slice's state recompute, as without slices
+                part_dht = lambda r1=r1: exits()[:r1]  # noqa: E731
+            else:
+                part_dht = exits()[r0:r1]
+            part_states = None if states is None else states[chunk_starts[r0]:chunk_starts[r1]]
+            dg_part = torch.empty(Hv, t1 - t0, dtype=torch.float32, device=device)  # dg[:, t0:t1] is not contiguous
+            part_grads = [grad[t0:t1] for grad in grads[:3]] + [dg_part, grads[4][t0:t1]]
+            dS0[r0:r1] = _local_gradients(_rows_of(x, r0, r1, row_bounds, chunk_starts), do[t0:t1], scale,
+                                          None if h0 is None else h0[r0:r1], part_dht, part_states, pair_sum,
+                                          part_grads)
+            grads[3][:, t0:t1] = dg_part
+    dq, dk, dv, dg, dbeta = grads
+
+    rest = rows // Hqk  # rows per k-head left to sum
+    if rest > 1:  # v-head h read k-head h // group: sum each group, accumulating in fp32
+        dq_sum, dk_sum = (torch.empty(B * T * Hqk, D, dtype=dq.dtype, device=device) for _ in range(2))
+        compiled_gqa_sum(x.dtype)(dq.view(-1, rest, D), dk.view(-1, rest, D), dq_sum, dk_sum)
+        dq, dk = dq_sum, dk_sum
+    return (dq.view(q.shape).to(q.dtype), dk.view(k.shape).to(k.dtype), dv.view(v.shape).to(v.dtype),
+            dg.t().reshape(g.shape).to(g.dtype), dbeta.view(beta.shape).to(beta.dtype), dS0)
+
+
+def _gradient_buffers(num_tokens: int, dqk_rows: int, Hv: int, dtype, device) -> list:
+    """[dq, dk, dv, dg, dbeta] as chunk_bwd_local writes them: dq and dk [T, dqk_rows, 128] and dv [T, Hv, 128] in
+    the input dtype, dg [Hv, T] and dbeta [T, Hv] in fp32."""
+    dq, dk = (torch.empty(num_tokens, dqk_rows, HEAD_DIM, dtype=dtype, device=device) for _ in range(2))
+    dv = torch.empty(num_tokens, Hv, HEAD_DIM, dtype=dtype, device=device)
+    dg = torch.empty(Hv, num_tokens, dtype=torch.float32, device=device)
+    dbeta = torch.empty(num_tokens, Hv, dtype=torch.float32, device=device)
+    return [dq, dk, dv, dg, dbeta]
+
+
+def _local_gradients(x: ChunkedCall, do, scale, h0, dht, states, pair_sum: str, grads) -> torch.Tensor:
+    """The two walks (the states, unless kept, and their gradients) and chunk_bwd_local over every sequence of `x`,
+    into `grads` ([dq, dk, dv, dg, dbeta] of its tokens, `_gradient_buffers`); returns dS0. h and dh are freed on
+    return."""
+    device = x.q.device
     deferred = callable(dht)
 
     def reverse_walk():
@@ -132,42 +249,28 @@ def backward_of(x: ChunkedCall, q, k, v, g, beta, do, scale, h0, dht, states=Non
         (dh, dS0), h = side_by_side(device, reverse_walk, lambda: fused_states(x, h0))
     else:
         (dh, dS0), h = reverse_walk(), fused_states(x, h0)
-    # per v-head (or pair) in the input dtype: half the bytes of fp32 written here and read by the GQA sums (and
-    # T x Hv x 512 bytes less memory at the peak); the sums accumulate in fp32 and round once more
-    group = Hv // Hqk
-    pair_sum = dqk_sum_build(group)
-    rows = Hv // 2 if pair_sum == "ordered" else Hv  # dq and dk rows per token
-    dq, dk = (torch.empty(B * T, rows, D, dtype=do.dtype, device=device) for _ in range(2))
-    dv = torch.empty(B * T, Hv, D, dtype=do.dtype, device=device)
-    dg = torch.empty(Hv, B * T, dtype=torch.float32, device=device)
-    dbeta = torch.empty(B * T, Hv, dtype=torch.float32, device=device)
+    dq, dk, dv, dg, dbeta = grads
     compiled_chunk_bwd_local(x.dtype, pair_sum)(
-        x.q, x.k, v.reshape(B * T, Hv, D), do, x.GA, x.gcum, x.beta, h, dh, x.cu,
-        x.offsets, dq, dk, dv, dg, dbeta, scale, x.num_seqs.bit_length(), sm_count_on(device))
-    del h, dh  # the per-chunk states and their gradients, before the GQA sums allocate
-
-    rest = rows // Hqk  # rows per k-head left to sum
-    if rest > 1:  # v-head h read k-head h // group: sum each group, accumulating in fp32
-        dq_sum, dk_sum = (torch.empty(B * T * Hqk, D, dtype=dq.dtype, device=device) for _ in range(2))
-        compiled_gqa_sum(x.dtype)(dq.view(-1, rest, D), dk.view(-1, rest, D), dq_sum, dk_sum)
-        dq, dk = dq_sum, dk_sum
-    return (dq.view(q.shape).to(q.dtype), dk.view(k.shape).to(k.dtype), dv.view(v.shape).to(v.dtype),
-            dg.t().reshape(g.shape).to(g.dtype), dbeta.view(beta.shape).to(beta.dtype), dS0)
+        x.q, x.k, x.v, do, x.GA, x.gcum, x.beta, h, dh, x.cu, x.offsets, dq, dk, dv, dg, dbeta, scale,
+        x.num_seqs.bit_length(), sm_count_on(device))
+    return dS0
 
 
-def chunk_gdn_bwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht, kept=None, chunk_offsets=None):
+def chunk_gdn_bwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht, kept=None, chunk_offsets=None,
+                  row_bounds=None):
     """Gradients (dq, dk, dv, dg, dbeta, dh0) of `chunk_gdn_fwd`'s o (upstream `do`) and final state (`dht`).
 
     Shapes and dtypes as chunk_gdn_fwd's inputs (validated, contiguous); do [B, T, Hv, 128]; dht fp32
     [N, Hv, 128, 128] or None; kept: the forward's `KeptInverse` (keep_inverse=True), or None to
-    recompute it; chunk_offsets as in chunk_gdn_fwd. dh0 is None without an initial state.
+    recompute it; chunk_offsets as in chunk_gdn_fwd; row_bounds: the sequences' token bounds on the host
+    (`backward_of`), or None. dh0 is None without an initial state.
     """
     if kept is None:
         x = prepare(q, k, v, g, beta, cu_seqlens, chunk_offsets)
     else:
         x = prepare_from_kept(q, k, v, kept, cu_seqlens, chunk_offsets)
     *grads, dS0 = backward_of(x, q, k, v, g, beta, output_gradient(x, do), scale, initial_state, dht,
-                              states=None if kept is None else kept.states)
+                              states=None if kept is None else kept.states, row_bounds=row_bounds)
     return (*grads, None if initial_state is None else dS0.to(initial_state.dtype))
 
 

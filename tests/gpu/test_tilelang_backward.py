@@ -173,6 +173,37 @@ def test_forward_that_keeps_its_states(intra_cp, lengths, Hv, dtype, poisoned_ou
         assert torch.equal(kept[name], recomputed[name]), f"{name} differs with the states kept"
 
 
+@pytest.mark.parametrize("intra_cp", ["off", 3])
+@pytest.mark.parametrize("keep_states", [False, True], ids=["recomputed", "kept_states"])
+def test_backward_in_slices_of_sequences(intra_cp, keep_states, poisoned_outputs, monkeypatch):
+    """FLASHQLA_BWD_STATES_GIB below the pack's h and dh: the backward runs in slices of consecutive rows (with a
+    slice as narrow as a row allowed here; the dispatch keeps a wave of walks a slice), each slice's walks and
+    chunk_bwd_local on token views of the inputs and outputs. Every gradient is the same bits as one pass's and
+    within the limits of the float64 recurrence, unsegmented and with intra-card segments, states recomputed or
+    kept; GQA group 4 (pair sums, then the group sum)."""
+    from flashqla.kernels.hopper import backward
+
+    call = make_call([1, 65, 64, 130, 7, 200, 1, 129, 333], 2, 8, seed=70)
+    slices = []
+    real = backward.row_slices
+
+    def any_width(chunks, state_bytes, budget, min_rows):
+        slices.append(real(chunks, state_bytes, budget, 1))
+        return slices[-1]
+    monkeypatch.setattr(backward, "row_slices", any_width)
+    gen = torch.Generator(device="cuda").manual_seed(71)
+    do = torch.randn(call["v"].shape, generator=gen, device="cuda").to(call["v"].dtype)
+    dht = torch.randn(9, 8, D, D, generator=gen, device="cuda") * 0.1
+    whole = op_grads(call, do, dht, backend="tilelang", intra_cp=intra_cp, keep_states=keep_states)
+    assert len(slices[-1]) == 1
+    monkeypatch.setenv("FLASHQLA_BWD_STATES_GIB", str(4 * 2 * 8 * D * D * 2 / 2 ** 30))  # 4 chunks' h and dh
+    sliced = op_grads(call, do, dht, backend="tilelang", intra_cp=intra_cp, keep_states=keep_states)
+    assert len(slices[-1]) >= 4, slices[-1]
+    for name in whole:
+        assert torch.equal(sliced[name], whole[name]), f"d{name} differs in slices"
+    assert_grads_match(call, intra_cp=intra_cp, keep_states=keep_states)
+
+
 def test_32k_sequence_against_float64_chunked_reference():
     """512 chunks: the long-sequence precision check. Oracle: the torch backend in float64 (itself checked
     against the token recurrence on CPU), on the same bf16 inputs."""
