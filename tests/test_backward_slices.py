@@ -16,24 +16,32 @@ NAMES = ("q", "k", "v", "g", "beta")
 GIB = 2 ** 30
 
 
-def test_row_slices_fit_the_budget_in_slices_of_equal_chunks():
+def test_row_slices_hold_whole_waves_within_the_budget():
     from flashqla.kernels.hopper.backward import row_slices
 
     assert row_slices([8] * 6, 100, float("inf"), 1) == [(0, 6)]
     assert row_slices([8] * 6, 100, 4800, 1) == [(0, 6)]  # exactly the budget: one pass
-    assert row_slices([8] * 6, 100, 4799, 1) == [(0, 3), (3, 6)]
+    assert row_slices([8] * 6, 100, 4799, 1) == [(0, 5), (5, 6)]  # rows taken in order while they fit
     assert row_slices([8] * 6, 100, 1600, 1) == [(0, 2), (2, 4), (4, 6)]
-    assert row_slices([8] * 6, 100, 1, 1) == [(r, r + 1) for r in range(6)]  # at most a row per slice
-    # a wave of walks per slice at least: 6 rows at 2 rows a wave make 3 slices whatever the budget asks
+    assert row_slices([8] * 6, 100, 1, 1) == [(r, r + 1) for r in range(6)]  # a row over the budget: alone
+    # whole waves of rows (2 rows a wave here), as many as fit, one at least
     assert row_slices([8] * 6, 100, 1, 2) == [(0, 2), (2, 4), (4, 6)]
-    assert row_slices([8] * 6, 100, 1, 4) == [(0, 6)]
-    # unequal rows: filled in order up to the share (12 of 24 chunks)
+    assert row_slices([8] * 6, 100, 3200, 2) == [(0, 4), (4, 6)]
+    assert row_slices([8] * 6, 100, 3199, 2) == [(0, 2), (2, 4), (4, 6)]
+    assert row_slices([8] * 7, 100, 1600, 2) == [(0, 2), (2, 4), (4, 6), (6, 7)]  # the last wave is partial
+    assert row_slices([8] * 6, 100, 1, 4) == [(0, 4), (4, 6)]
+    assert row_slices([8] * 6, 100, 1, 6) == [(0, 6)]  # one wave in all: nothing to slice
+    # 1M tokens x 32 v-heads in segments of 512 chunks on 132 SMs: 4 rows a wave, 4 GiB of h and dh each; a 5 GiB
+    # budget holds one wave a slice (eight slices of 128 walks), 8.8 GiB two (four of 256)
+    per_chunk = 2 * 32 * 128 * 128 * 2
+    assert row_slices([512] * 32, per_chunk, 5 * GIB, 132 // 32) == [(r, r + 4) for r in range(0, 32, 4)]
+    assert row_slices([512] * 32, per_chunk, 8.8 * GIB, 132 // 32) == [(r, r + 8) for r in range(0, 32, 8)]
+    # unequal rows, one a wave: in order while they fit (12 chunks)
     assert row_slices([10, 1, 1, 4, 8], 1, 12, 1) == [(0, 3), (3, 5)]
-    assert row_slices([10, 1, 2, 4, 6], 1, 12, 1) == [(0, 2), (2, 5)]
-    assert row_slices([1, 1, 1, 1, 20], 1, 8, 1) == [(0, 4), (4, 5)]  # a row over the share takes a slice of its own
+    assert row_slices([1, 1, 1, 1, 20], 1, 8, 1) == [(0, 4), (4, 5)]
     assert row_slices([20, 1, 1, 1, 1], 1, 8, 1) == [(0, 1), (1, 5)]
     assert row_slices([0, 0, 3], 1, 1, 1) == [(0, 2), (2, 3)]
-    assert row_slices([0, 0], 1, 1, 1) == [(0, 2)]  # no chunk at all: nothing to slice
+    assert row_slices([0, 0], 1, 1e-9, 1) == [(0, 2)]  # no chunk at all
 
 
 @pytest.fixture
@@ -84,17 +92,17 @@ def test_sliced_backward_is_the_same_bits_as_one_pass(hopper, monkeypatch, Hqk, 
     assert launched == [sum(lengths)]  # no bounds: one pass
 
     bounds = tuple(cu.tolist())
-    chunks = sum(-(-n // 64) for n in lengths)  # 13
-    monkeypatch.setenv("FLASHQLA_BWD_STATES_GIB", str(4 * 2 * Hv * 128 * 128 * 2 / GIB))  # 4 chunks' h and dh
+    # chunks [4, 1, 2, 3, 1, 1, 3]: with 4 chunks' h and dh, rows in order while they fit
+    monkeypatch.setenv("FLASHQLA_BWD_STATES_GIB", str(4 * 2 * Hv * 128 * 128 * 2 / GIB))
     launched.clear()
     sliced = hopper.chunk_gdn_bwd(*case[0], *case[1:], row_bounds=bounds)
-    assert len(launched) == -(-chunks // 4) and sum(launched) == sum(lengths), launched
+    assert launched == [200, 1 + 65, 130 + 64, 7 + 129], launched
     assert_same_bits(sliced, whole)
 
-    monkeypatch.setenv("FLASHQLA_BWD_STATES_GIB", "1e-9")  # as many slices as rows: shares of ceil(13 / 7) chunks
+    monkeypatch.setenv("FLASHQLA_BWD_STATES_GIB", "1e-9")  # a row a slice
     launched.clear()
     assert_same_bits(hopper.chunk_gdn_bwd(*case[0], *case[1:], row_bounds=bounds), whole)
-    assert launched == [200, 1 + 65, 130, 64 + 7, 129]
+    assert launched == lengths
 
 
 @pytest.mark.parametrize("keep_states", [False, True], ids=["recomputed", "kept_states"])

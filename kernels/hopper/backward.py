@@ -128,24 +128,21 @@ def states_budget(device: torch.device) -> float:
     return torch.cuda.get_device_properties(index).total_memory / STATES_BUDGET_SHARE
 
 
-def row_slices(chunks: list[int], state_bytes_per_chunk: int, budget: float, min_rows: int) -> list[tuple[int, int]]:
-    """Consecutive row ranges [r0, r1) covering rows with `chunks` chunks each: one range when the rows' h and dh
-    (`state_bytes_per_chunk` per chunk) fit in `budget`; else the fewest slices that would bring equal shares
-    under it, but no more than leave `min_rows` rows a slice (fewer walks than SMs would lengthen the walks: at a
-    wave or more per slice the slices' walks take what the whole one did), filled in order up to that share
-    (a row larger than the share takes a slice of its own)."""
-    total = sum(chunks)
-    wanted = math.ceil(total * state_bytes_per_chunk / budget) if total else 1
-    count = min(wanted, len(chunks) // max(min_rows, 1))
-    if count <= 1:
+def row_slices(chunks: list[int], state_bytes_per_chunk: int, budget: float, wave_rows: int) -> list[tuple[int, int]]:
+    """Consecutive row ranges [r0, r1) covering rows of `chunks` chunks each: one range when the rows' h and dh
+    (`state_bytes_per_chunk` per chunk) fit in `budget`; else ranges of whole groups of `wave_rows` consecutive rows
+    (the rows whose walks fill the SMs once), each taking the next groups while they fit, one group at least: a
+    slice of whole waves keeps the walks' time what one pass's was (a slice of 1.2 waves would take two)."""
+    limit = budget / state_bytes_per_chunk  # chunks a slice may hold
+    if sum(chunks) <= limit:
         return [(0, len(chunks))]
-    share = math.ceil(total / count)
     cuts, held = [0], 0
-    for row, row_chunks in enumerate(chunks):
-        if row > cuts[-1] and held + row_chunks > share:
-            cuts.append(row)
+    for start in range(0, len(chunks), wave_rows):
+        group = sum(chunks[start:start + wave_rows])
+        if start > cuts[-1] and held + group > limit:
+            cuts.append(start)
             held = 0
-        held += row_chunks
+        held += group
     cuts.append(len(chunks))
     return list(zip(cuts, cuts[1:]))
 
@@ -180,8 +177,9 @@ def backward_of(x: ChunkedCall, q, k, v, g, beta, do, scale, h0, dht, states=Non
     slices = [(0, x.num_seqs)]
     if row_bounds is not None:
         chunks = [-(-(b - a) // CHUNK) for a, b in zip(row_bounds, row_bounds[1:])]
-        min_rows = -(-sm_count_on(device) // Hv) if device.type == "cuda" else 1
-        slices = row_slices(chunks, 2 * Hv * D * D * x.v.element_size(), states_budget(device), min_rows)
+        # a wave: one walk per SM at V tile 128 (one CTA per walk; a slice of fewer walks takes a narrower tile)
+        wave_rows = max(sm_count_on(device) // Hv, 1) if device.type == "cuda" else 1
+        slices = row_slices(chunks, 2 * Hv * D * D * x.v.element_size(), states_budget(device), wave_rows)
     grads = _gradient_buffers(B * T, rows, Hv, do.dtype, device)
     if len(slices) == 1:
         dS0 = _local_gradients(x, do, scale, h0, dht, states, pair_sum, grads)

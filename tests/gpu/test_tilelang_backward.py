@@ -187,7 +187,7 @@ def test_backward_in_slices_of_sequences(intra_cp, keep_states, poisoned_outputs
     slices = []
     real = backward.row_slices
 
-    def any_width(chunks, state_bytes, budget, min_rows):
+    def any_width(chunks, state_bytes, budget, wave_rows):
         slices.append(real(chunks, state_bytes, budget, 1))
         return slices[-1]
     monkeypatch.setattr(backward, "row_slices", any_width)
