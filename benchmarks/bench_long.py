@@ -99,6 +99,8 @@ def _measure(row: dict, x: dict, step, reps: int) -> dict | None:
             t.grad = None
         step()
 
+    for t in x.values():  # the last run's gradients are not part of this one's base
+        t.grad = None
     try:
         torch.cuda.synchronize()
         torch.cuda.empty_cache()

@@ -108,7 +108,7 @@ STATES_BESIDE_CHAIN_ENV = "FLASHQLA_STATES_BESIDE_CHAIN"
 # in bf16: 1 KB per token and v-head, 32 GiB at 1M tokens x 32 v-heads) while chunk_bwd_local runs. Above a budget
 # the rows (sequences, or intra-card CP's segments) are taken in slices of consecutive rows, each slice's h and dh
 # allocated, used and freed before the next; every output is the same bits (no kernel's item spans two rows).
-# FLASHQLA_BWD_STATES_GIB sets the budget (default: a sixteenth of the device's memory, 5 GiB on an 80 GB H100).
+# FLASHQLA_BWD_STATES_GIB sets the budget (default: a sixteenth of the device's memory, 4.9 GiB on an H100).
 STATES_BUDGET_ENV = "FLASHQLA_BWD_STATES_GIB"
 STATES_BUDGET_SHARE = 16  # the default budget: the device's memory over this
 
