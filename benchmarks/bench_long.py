@@ -14,6 +14,7 @@ as such and the run goes on.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 import statistics
 import tempfile
@@ -66,16 +67,14 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def fingerprint(t: torch.Tensor) -> int:
-    """A position-weighted sum of t's bits (equal bits, equal fingerprint), in slices of 2^24 elements so that the
-    temporaries stay small beside a 1M-token gradient."""
-    bits = t.detach().reshape(-1).view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
-    total, step = 0, 1 << 24
-    for start in range(0, bits.numel(), step):
-        part = bits[start:start + step].long()
-        weights = torch.arange(start, start + part.numel(), device=part.device) % 65521 + 1
-        total = (total + int((part * weights).sum())) % (1 << 61)
-    return total
+def fingerprint(t: torch.Tensor) -> str:
+    """blake2b of t's bytes (equal bits, equal fingerprint), copied to the host in slices of 2^24 elements so that
+    the copies stay small beside a 1M-token gradient."""
+    digest = hashlib.blake2b(digest_size=16)
+    flat = t.detach().reshape(-1)
+    for start in range(0, flat.numel(), 1 << 24):
+        digest.update(flat[start:start + (1 << 24)].cpu().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
 
 
 def _timed(step, reps: int) -> float:
@@ -137,7 +136,8 @@ def main():
         from flash_qla import chunk_gated_delta_rule as flash_qla_op
         from flash_qla.ops.gated_delta_rule.chunk.cp import build_cp_context
 
-        dist.init_process_group("nccl", init_method=f"file://{tempfile.mktemp()}", rank=0, world_size=1)
+        rendezvous = os.path.join(tempfile.mkdtemp(), "rendezvous")
+        dist.init_process_group("nccl", init_method=f"file://{rendezvous}", rank=0, world_size=1)
     rows = []
     for T, Hv in configs:
         x = {n: t.detach().requires_grad_(True) for n, t in inputs(T, Hv // 2, Hv, device).items()}

@@ -40,8 +40,13 @@ def test_row_slices_hold_whole_waves_within_the_budget():
     assert row_slices([10, 1, 1, 4, 8], 1, 12, 1) == [(0, 3), (3, 5)]
     assert row_slices([1, 1, 1, 1, 20], 1, 8, 1) == [(0, 4), (4, 5)]
     assert row_slices([20, 1, 1, 1, 1], 1, 8, 1) == [(0, 1), (1, 5)]
-    assert row_slices([0, 0, 3], 1, 1, 1) == [(0, 2), (2, 3)]
+    # rows without a chunk (empty sequences) join a neighbour: no slice of zero tokens
+    assert row_slices([0, 0, 3], 1, 1, 1) == [(0, 3)]
     assert row_slices([0, 0], 1, 1e-9, 1) == [(0, 2)]  # no chunk at all
+    assert row_slices([16384, 0, 0, 0, 0], per_chunk, 5 * GIB, 4) == [(0, 5)]
+    assert row_slices([0] * 4 + [16384], per_chunk, 5 * GIB, 4) == [(0, 5)]
+    assert row_slices([2048] * 8 + [0] * 4, per_chunk, 5 * GIB, 4) == [(0, 4), (4, 12)]
+    assert row_slices([3, 0, 3, 0, 3], 1, 3, 1) == [(0, 2), (2, 4), (4, 5)]
 
 
 @pytest.fixture
@@ -79,7 +84,7 @@ def test_sliced_backward_is_the_same_bits_as_one_pass(hopper, monkeypatch, Hqk, 
     """chunk_gdn_bwd over a pack of 1- to 200-token sequences (partial chunks, a one-token row at a slice's edge),
     initial states and dht: with a budget of about two rows' states the pack runs in slices of whole rows, and
     every gradient, dS0 included, equals one pass's."""
-    lengths = [200, 1, 65, 130, 64, 7, 129]
+    lengths = [0, 200, 1, 65, 130, 0, 64, 7, 129, 0]  # empty sequences at both ends and inside
     args = make_inputs(1, sum(lengths), Hqk, Hv, 128, 128, dtype=torch.bfloat16, num_seqs=len(lengths), with_h0=True,
                        strong_heads=(Hv - 1,), seed=5, requires_grad=False)
     cu = random_cu_seqlens(lengths)
@@ -92,17 +97,20 @@ def test_sliced_backward_is_the_same_bits_as_one_pass(hopper, monkeypatch, Hqk, 
     assert launched == [sum(lengths)]  # no bounds: one pass
 
     bounds = tuple(cu.tolist())
-    # chunks [4, 1, 2, 3, 1, 1, 3]: with 4 chunks' h and dh, rows in order while they fit
+    # chunks [0, 4, 1, 2, 3, 0, 1, 1, 3, 0]: with 4 chunks' h and dh, rows in order while they fit, the empty ones
+    # with their neighbours
     monkeypatch.setenv("FLASHQLA_BWD_STATES_GIB", str(4 * 2 * Hv * 128 * 128 * 2 / GIB))
     launched.clear()
     sliced = hopper.chunk_gdn_bwd(*case[0], *case[1:], row_bounds=bounds)
     assert launched == [200, 1 + 65, 130 + 64, 7 + 129], launched
     assert_same_bits(sliced, whole)
 
-    monkeypatch.setenv("FLASHQLA_BWD_STATES_GIB", "1e-9")  # a row a slice
+    monkeypatch.setenv("FLASHQLA_BWD_STATES_GIB", "1e-9")  # a row a slice (an empty one with a neighbour)
     launched.clear()
     assert_same_bits(hopper.chunk_gdn_bwd(*case[0], *case[1:], row_bounds=bounds), whole)
-    assert launched == lengths
+    assert launched == [n for n in lengths if n], launched
+    with pytest.raises(ValueError, match="row_bounds"):
+        hopper.chunk_gdn_bwd(*case[0], *case[1:], row_bounds=bounds[:-1])
 
 
 @pytest.mark.parametrize("keep_states", [False, True], ids=["recomputed", "kept_states"])

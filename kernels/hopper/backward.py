@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import functools
 import itertools
-import math
 import os
 
 import torch
@@ -132,14 +131,16 @@ def row_slices(chunks: list[int], state_bytes_per_chunk: int, budget: float, wav
     """Consecutive row ranges [r0, r1) covering rows of `chunks` chunks each: one range when the rows' h and dh
     (`state_bytes_per_chunk` per chunk) fit in `budget`; else ranges of whole groups of `wave_rows` consecutive rows
     (the rows whose walks fill the SMs once), each taking the next groups while they fit, one group at least: a
-    slice of whole waves keeps the walks' time what one pass's was (a slice of 1.2 waves would take two)."""
+    slice of whole waves keeps the walks' time what one pass's was (a slice of 1.2 waves would take two). Groups
+    without a chunk (empty sequences) join a neighbour: every range holds a chunk (the kernels' TMA descriptors
+    take no tensor of zero tokens)."""
     limit = budget / state_bytes_per_chunk  # chunks a slice may hold
     if sum(chunks) <= limit:
         return [(0, len(chunks))]
     cuts, held = [0], 0
     for start in range(0, len(chunks), wave_rows):
         group = sum(chunks[start:start + wave_rows])
-        if start > cuts[-1] and held + group > limit:
+        if held and group and held + group > limit:
             cuts.append(start)
             held = 0
         held += group
@@ -158,9 +159,9 @@ def _rows_of(x: ChunkedCall, r0: int, r1: int, bounds, chunk_starts) -> ChunkedC
 def backward_of(x: ChunkedCall, q, k, v, g, beta, do, scale, h0, dht, states=None, row_bounds=None):
     """Gradients of the sequences of `x` (`prepare`d, or from a kept inverse) from dO
     (`output_gradient`) with the output scale, their initial states h0 and the gradients dht of their
-    final states (fp32 [N, Hv, 128, 128] or None, or a function of no arguments that returns them, which runs on
-    the current stream, beside the state recompute where that runs on a second stream): (dq, dk, dv, dg, dbeta)
-    shaped and typed like q, k, v, g, beta, and dS0 fp32 [N, Hv, 128, 128].
+    final states (fp32 [N, Hv, 128, 128] or None, or a function of no arguments that returns them, run beside the
+    state recompute where that runs on a second stream): (dq, dk, dv, dg, dbeta) shaped and typed like q, k, v, g,
+    beta, and dS0 fp32 [N, Hv, 128, 128].
     states: the state entering every chunk when the forward kept it (`KeptInverse.states`): no recompute.
     row_bounds: the sequences' token bounds on the host (x.cu's values, N + 1 of them), which let the backward run
     in slices of sequences when their h and dh exceed `states_budget` (else one launch of each kernel for all).
@@ -171,40 +172,19 @@ def backward_of(x: ChunkedCall, q, k, v, g, beta, do, scale, h0, dht, states=Non
     device = q.device
     # per v-head (or pair) in the input dtype: half the bytes of fp32 written here and read by the GQA sums (and
     # T x Hv x 512 bytes less memory at the peak); the sums accumulate in fp32 and round once more
-    group = Hv // Hqk
-    pair_sum = dqk_sum_build(group)
-    rows = Hv // 2 if pair_sum == "ordered" else Hv  # dq and dk rows per token
-    slices = [(0, x.num_seqs)]
-    if row_bounds is not None:
-        chunks = [-(-(b - a) // CHUNK) for a, b in zip(row_bounds, row_bounds[1:])]
-        # a wave: one walk per SM at V tile 128 (one CTA per walk; a slice of fewer walks takes a narrower tile)
-        wave_rows = max(sm_count_on(device) // Hv, 1) if device.type == "cuda" else 1
-        slices = row_slices(chunks, 2 * Hv * D * D * x.v.element_size(), states_budget(device), wave_rows)
-    grads = _gradient_buffers(B * T, rows, Hv, do.dtype, device)
-    if len(slices) == 1:
+    pair_sum = dqk_sum_build(Hv // Hqk)
+    dqk_heads = Hv // 2 if pair_sum == "ordered" else Hv  # rows of dq and dk per token
+    grads = _gradient_buffers(B * T, dqk_heads, Hv, do.dtype, device)
+    if row_bounds is None:
         dS0 = _local_gradients(x, do, scale, h0, dht, states, pair_sum, grads)
     else:
-        chunk_starts = list(itertools.accumulate(chunks, initial=0))
-        exits = functools.cache(dht) if callable(dht) else None
-        dS0 = torch.empty(x.num_seqs, Hv, D, D, dtype=torch.float32, device=device)
-        for r0, r1 in slices:
-            t0, t1 = row_bounds[r0], row_bounds[r1]
-            if exits is None:
-                part_dht = None if dht is None else dht[r0:r1]
-            elif r0 == 0:  # computed beside the first slice's state recompute, as without slices
-                part_dht = lambda r1=r1: exits()[:r1]  # noqa: E731
-            else:
-                part_dht = exits()[r0:r1]
-            part_states = None if states is None else states[chunk_starts[r0]:chunk_starts[r1]]
-            dg_part = torch.empty(Hv, t1 - t0, dtype=torch.float32, device=device)  # dg[:, t0:t1] is not contiguous
-            part_grads = [grad[t0:t1] for grad in grads[:3]] + [dg_part, grads[4][t0:t1]]
-            dS0[r0:r1] = _local_gradients(_rows_of(x, r0, r1, row_bounds, chunk_starts), do[t0:t1], scale,
-                                          None if h0 is None else h0[r0:r1], part_dht, part_states, pair_sum,
-                                          part_grads)
-            grads[3][:, t0:t1] = dg_part
+        if len(row_bounds) != x.num_seqs + 1 or row_bounds[0] != 0 or row_bounds[-1] != B * T:
+            raise ValueError(f"row_bounds must be the {x.num_seqs + 1} token bounds of the call's sequences, from 0 to "
+                             f"{B * T}; got {len(row_bounds)} from {row_bounds[0]} to {row_bounds[-1]}")
+        dS0 = _gradients_in_slices(x, do, scale, h0, dht, states, pair_sum, grads, row_bounds)
     dq, dk, dv, dg, dbeta = grads
 
-    rest = rows // Hqk  # rows per k-head left to sum
+    rest = dqk_heads // Hqk  # rows per k-head left to sum
     if rest > 1:  # v-head h read k-head h // group: sum each group, accumulating in fp32
         dq_sum, dk_sum = (torch.empty(B * T * Hqk, D, dtype=dq.dtype, device=device) for _ in range(2))
         compiled_gqa_sum(x.dtype)(dq.view(-1, rest, D), dk.view(-1, rest, D), dq_sum, dk_sum)
@@ -213,10 +193,43 @@ def backward_of(x: ChunkedCall, q, k, v, g, beta, do, scale, h0, dht, states=Non
             dg.t().reshape(g.shape).to(g.dtype), dbeta.view(beta.shape).to(beta.dtype), dS0)
 
 
-def _gradient_buffers(num_tokens: int, dqk_rows: int, Hv: int, dtype, device) -> list:
-    """[dq, dk, dv, dg, dbeta] as chunk_bwd_local writes them: dq and dk [T, dqk_rows, 128] and dv [T, Hv, 128] in
+def _gradients_in_slices(x: ChunkedCall, do, scale, h0, dht, states, pair_sum: str, grads, row_bounds) -> torch.Tensor:
+    """`_local_gradients` over the slices of rows that `row_slices` cuts for the device's budget (one when the rows'
+    h and dh fit), each on token views of `x`, dO and `grads`; returns dS0 of every row."""
+    Hv, device, D = x.num_v_heads, x.q.device, HEAD_DIM
+    chunks = [-(-(end - start) // CHUNK) for start, end in zip(row_bounds, row_bounds[1:])]
+    # a wave: one walk per SM at V tile 128 (one CTA per walk; a slice of fewer walks takes a narrower tile)
+    wave_rows = max(sm_count_on(device) // Hv, 1) if device.type == "cuda" else 1
+    slices = row_slices(chunks, 2 * Hv * D * D * x.v.element_size(), states_budget(device), wave_rows)
+    if len(slices) == 1:
+        return _local_gradients(x, do, scale, h0, dht, states, pair_sum, grads)
+    chunk_starts = list(itertools.accumulate(chunks, initial=0))
+    all_dht = functools.cache(dht) if callable(dht) else lambda: dht  # a deferred dht runs once, in the first slice
+    dq, dk, dv, dg, dbeta = grads
+    dS0 = torch.empty(x.num_seqs, Hv, D, D, dtype=torch.float32, device=device)
+    for r0, r1 in slices:
+        t0, t1 = row_bounds[r0], row_bounds[r1]
+        if callable(dht) and r0 == 0:  # beside the first slice's state recompute, as in one pass
+            rows_dht = functools.partial(lambda r1: all_dht()[:r1], r1)
+        else:
+            rows_dht = None if dht is None else all_dht()[r0:r1]
+        rows_states = None if states is None else states[chunk_starts[r0]:chunk_starts[r1]]
+        rows_dg = torch.empty(Hv, t1 - t0, dtype=torch.float32, device=device)  # dg[:, t0:t1] is not contiguous
+        dS0[r0:r1] = _local_gradients(_rows_of(x, r0, r1, row_bounds, chunk_starts), do[t0:t1], scale,
+                                      None if h0 is None else h0[r0:r1], rows_dht, rows_states, pair_sum,
+                                      [dq[t0:t1], dk[t0:t1], dv[t0:t1], rows_dg, dbeta[t0:t1]])
+        dg[:, t0:t1] = rows_dg
+        if callable(dht) and r0 == 0 and device.type == "cuda":
+            # the first slice may have run it on its side stream (its walks beside each other): later slices read it
+            # here, so its memory is not handed back to the side stream while they do
+            all_dht().record_stream(torch.cuda.current_stream(device))
+    return dS0
+
+
+def _gradient_buffers(num_tokens: int, dqk_heads: int, Hv: int, dtype, device) -> list:
+    """[dq, dk, dv, dg, dbeta] as chunk_bwd_local writes them: dq and dk [T, dqk_heads, 128] and dv [T, Hv, 128] in
     the input dtype, dg [Hv, T] and dbeta [T, Hv] in fp32."""
-    dq, dk = (torch.empty(num_tokens, dqk_rows, HEAD_DIM, dtype=dtype, device=device) for _ in range(2))
+    dq, dk = (torch.empty(num_tokens, dqk_heads, HEAD_DIM, dtype=dtype, device=device) for _ in range(2))
     dv = torch.empty(num_tokens, Hv, HEAD_DIM, dtype=dtype, device=device)
     dg = torch.empty(Hv, num_tokens, dtype=torch.float32, device=device)
     dbeta = torch.empty(num_tokens, Hv, dtype=torch.float32, device=device)

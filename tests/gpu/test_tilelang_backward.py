@@ -173,17 +173,20 @@ def test_forward_that_keeps_its_states(intra_cp, lengths, Hv, dtype, poisoned_ou
         assert torch.equal(kept[name], recomputed[name]), f"{name} differs with the states kept"
 
 
+@pytest.mark.parametrize("lengths", [[1, 65, 64, 130, 7, 200, 1, 129, 333], [0, 1, 65, 0, 130, 7, 200, 333, 0]],
+                         ids=["pack", "empty-sequences"])
 @pytest.mark.parametrize("intra_cp", ["off", 3])
 @pytest.mark.parametrize("keep_states", [False, True], ids=["recomputed", "kept_states"])
-def test_backward_in_slices_of_sequences(intra_cp, keep_states, poisoned_outputs, monkeypatch):
+def test_backward_in_slices_of_sequences(intra_cp, keep_states, lengths, poisoned_outputs, monkeypatch):
     """FLASHQLA_BWD_STATES_GIB below the pack's h and dh: the backward runs in slices of consecutive rows (with a
     slice as narrow as a row allowed here; the dispatch keeps a wave of walks a slice), each slice's walks and
     chunk_bwd_local on token views of the inputs and outputs. Every gradient is the same bits as one pass's and
     within the limits of the float64 recurrence, unsegmented and with intra-card segments, states recomputed or
-    kept; GQA group 4 (pair sums, then the group sum)."""
+    kept; GQA group 4 (pair sums, then the group sum); empty sequences at both ends and inside join a neighbour's
+    slice (a slice of zero tokens would hand the kernels zero-sized TMA boxes)."""
     from flashqla.kernels.hopper import backward
 
-    call = make_call([1, 65, 64, 130, 7, 200, 1, 129, 333], 2, 8, seed=70)
+    call = make_call(lengths, 2, 8, seed=70)
     slices = []
     real = backward.row_slices
 
@@ -193,7 +196,7 @@ def test_backward_in_slices_of_sequences(intra_cp, keep_states, poisoned_outputs
     monkeypatch.setattr(backward, "row_slices", any_width)
     gen = torch.Generator(device="cuda").manual_seed(71)
     do = torch.randn(call["v"].shape, generator=gen, device="cuda").to(call["v"].dtype)
-    dht = torch.randn(9, 8, D, D, generator=gen, device="cuda") * 0.1
+    dht = torch.randn(len(lengths), 8, D, D, generator=gen, device="cuda") * 0.1
     whole = op_grads(call, do, dht, backend="tilelang", intra_cp=intra_cp, keep_states=keep_states)
     assert len(slices[-1]) == 1
     monkeypatch.setenv("FLASHQLA_BWD_STATES_GIB", str(4 * 2 * 8 * D * D * 2 / 2 ** 30))  # 4 chunks' h and dh
