@@ -50,3 +50,7 @@ def test_fingerprint_tells_bits_apart():
     swapped[[1, 2]] = t[[2, 1]]  # same values, other places
     assert bench_long.fingerprint(swapped) != bench_long.fingerprint(t)
     assert bench_long.fingerprint(torch.randn(3, 5)) != bench_long.fingerprint(torch.zeros(3, 5))
+    long = torch.randn(70000)
+    far = long.clone()
+    far[[0, 65521]] = long[[65521, 0]]  # a swap a position-weighted sum with weights mod 65521 would not see
+    assert bench_long.fingerprint(far) != bench_long.fingerprint(long)
