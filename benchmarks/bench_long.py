@@ -20,7 +20,6 @@ import tempfile
 
 import torch
 
-BUDGET_ENV = "FLASHQLA_BWD_STATES_GIB"
 BUDGETS = {"unbounded": "1e9", "default": ""}  # named budgets; a number is GiB
 CONFIGS = "262144:32,1048576:8,1048576:16,1048576:32"
 
@@ -142,6 +141,7 @@ def main():
 
     import flashqla
     from bench_cp import inputs
+    from flashqla.kernels.hopper.backward import STATES_BUDGET_ENV, STATES_BUDGET_SHARE
 
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)
@@ -159,7 +159,7 @@ def main():
         do = torch.randn_like(x["v"])
         first = None
         for name, env in budgets:
-            os.environ[BUDGET_ENV] = env
+            os.environ[STATES_BUDGET_ENV] = env
 
             def step():
                 o, _ = flashqla.chunk_gated_delta_rule(**x, cu_seqlens=cu, intra_cp="auto")
@@ -174,7 +174,7 @@ def main():
                     row["same"] = prints == first
             rows.append(row)
             del grads
-        os.environ.pop(BUDGET_ENV, None)
+        os.environ.pop(STATES_BUDGET_ENV, None)
         first = None
         if args.flash_qla:
             ctx = build_cp_context(cu.long(), enable_inter=True, enable_intra=True, group=dist.group.WORLD,
@@ -191,7 +191,7 @@ def main():
         torch.cuda.empty_cache()
     memory = torch.cuda.get_device_properties(0).total_memory / 2 ** 30
     print(f"\n{torch.cuda.get_device_name()} ({memory:.1f} GiB), torch {torch.__version__}; eager fwd+bwd, "
-          f"median of {args.reps}; default budget {memory / 16:.1f} GiB")
+          f"median of {args.reps}; default budget {memory / STATES_BUDGET_SHARE:.1f} GiB")
     print(table(rows))
     if args.flash_qla:
         dist.destroy_process_group()
