@@ -731,15 +731,18 @@ def test_passing_state_and_gradient_equal_the_whole_calls(hopper, monkeypatch, c
 
 
 def test_wy_inverse_shares_k_over_as_much_of_a_gqa_group_as_leaves_whole_waves():
-    """One CTA per (chunk, divisor of the GQA group) v-heads: the largest divisor that keeps 1.5 waves of CTAs at
-    five CTAs per SM (990 on an H200's 132 SMs)."""
+    """One CTA per (chunk, divisor of the GQA group) v-heads: the largest divisor above two that keeps 1.5 waves of
+    CTAs at six CTAs per SM (1188 on an H200's 132 SMs), else a pair where it keeps one wave (792)."""
     from flashqla.kernels.hopper.launch import wy_heads_per_cta
 
-    assert wy_heads_per_cta(520, 2, 8, 132) == 4  # 8 x 4K tokens: 1040 CTAs
-    assert wy_heads_per_cta(257, 2, 8, 132) == 2  # 16K tokens: 514 CTAs of 4 heads would be under a wave
+    assert wy_heads_per_cta(520, 2, 8, 132) == 2  # 8 x 4K tokens: 1040 CTAs of 4 heads are 1.3 waves
+    assert wy_heads_per_cta(1040, 2, 8, 132) == 4  # 8 x 8K tokens: 2080 CTAs of 4 heads
+    assert wy_heads_per_cta(257, 2, 8, 132) == 2  # 16K tokens: 1028 CTAs of 2 heads, 1.3 waves, beat 2056 of 1
+    assert wy_heads_per_cta(180, 2, 8, 132) == 1  # 720 CTAs of 2 heads would be under a wave
     assert wy_heads_per_cta(50, 2, 8, 132) == 1  # 3 x 1000 tokens
     assert wy_heads_per_cta(513, 8, 24, 132) == 3
-    assert wy_heads_per_cta(513, 1, 6, 132) == 3  # 6 fails the waves, 3 divides the group, 4 does not
+    assert wy_heads_per_cta(513, 1, 6, 132) == 2  # 6 and 3 fail the waves (4 does not divide the group)
+    assert wy_heads_per_cta(800, 1, 6, 132) == 3
     assert wy_heads_per_cta(10 ** 6, 16, 16, 132) == 1  # no GQA
     assert wy_heads_per_cta(10 ** 6, 1, 16, 132) == 8  # the shared build holds the gates of 8 v-heads at most
     assert wy_heads_per_cta(10 ** 6, 1, 12, 132) == 6

@@ -224,21 +224,25 @@ def summary_block_v(num_walks: int, sm_count: int) -> int:
     return BLOCK_V_CHOICES[0]
 
 
-WY_INVERSE_CTAS_PER_SM = 5  # wy_inverse.py's occupancy (registers) in the shared-K build (the one-v-head build: 6)
-WY_INVERSE_MIN_WAVES = 1.5
+WY_INVERSE_CTAS_PER_SM = 6  # wy_inverse.py's occupancy (registers and shared memory), both builds
+WY_INVERSE_MIN_WAVES = 1.5  # waves of CTAs a split of a GQA group into more than two v-heads per CTA must leave
+WY_PAIR_MIN_WAVES = 1.0  # and a split into pairs
 WY_MAX_HEADS_PER_CTA = 8  # v-heads per CTA of wy_inverse's shared-K build: the rows of its gate buffers
 
 
 def wy_heads_per_cta(chunk_slots: int, num_qk_heads: int, num_v_heads: int, sm_count: int) -> int:
     """v-heads per wy_inverse CTA: the most of one GQA group (a divisor of Hv / Hqk) that still leaves
-    WY_INVERSE_MIN_WAVES waves of CTAs; the CTA loads K and forms K K^T once for them (1 = the one-v-head build).
-    H200, 2026-12-04 (docs/kernels.md, "Thirty-third session"): a whole group per CTA against one v-head was
-    1.06-1.16x at 1.5 to 12 waves ((2, 8) x 4K x 8 59.7 -> 54.8 us, (16, 64) x 8K x 4 442 -> 389) and 0.68x at a
-    sixth of a wave ((2, 8) x 1000 x 3); half a group where the whole one keeps 1.5 waves, 0.97-0.99x."""
+    WY_INVERSE_MIN_WAVES waves of CTAs, else a pair where it leaves WY_PAIR_MIN_WAVES; the CTA loads K and forms K
+    K^T once for them (1 = the one-v-head build). H200, 2026-12-04 (docs/kernels.md, "Thirty-third session"): a
+    whole group per CTA against one v-head was 1.06-1.16x at 1.5 to 12 waves ((2, 8) x 4K x 8 59.7 -> 54.8 us,
+    (16, 64) x 8K x 4 442 -> 389) and 0.68x at a sixth of a wave ((2, 8) x 1000 x 3). H100, 2026-12-07, the kernel
+    at 6 CTAs per SM ("Fifty-ninth session"): pairs at 2.6 waves against fours at 1.3, 1.02x at (2, 8) x 32K and
+    4K x 8; fours at 10 waves against pairs 1.07x at (16, 64) x 8K x 4; pairs at 1.3 waves against one v-head at
+    2.6, 1.12x at (2, 8) x 16K."""
     group = num_v_heads // num_qk_heads
     for heads in range(min(group, WY_MAX_HEADS_PER_CTA), 1, -1):
-        if group % heads == 0 and chunk_slots * num_v_heads // heads >= (
-                WY_INVERSE_MIN_WAVES * WY_INVERSE_CTAS_PER_SM * sm_count):
+        waves = chunk_slots * num_v_heads // heads / (WY_INVERSE_CTAS_PER_SM * sm_count)
+        if group % heads == 0 and waves >= (WY_INVERSE_MIN_WAVES if heads > 2 else WY_PAIR_MIN_WAVES):
             return heads
     return 1
 

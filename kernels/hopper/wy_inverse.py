@@ -14,11 +14,17 @@ keeps beta out so that the backward can read it as well (chunk_bwd_local.py: eve
 exact GA form, and a column scaled by beta = 0 could not be undone): a forward whose backward will run
 keeps GA and gcum, and the backward computes no second inverse. W = diag(gamma) A diag(beta) K and U =
 GA diag(beta) V (docs/algorithm.md W1-W2) are not formed here or anywhere: the walks form what they need of
-them from GA. K, L and GA share one buffer: 32.5 KiB of shared memory, room for 6 CTAs per SM; the one-v-head
-build is held to 80 registers for those 6 (no spills; 1.02-1.05x its 96-register, 5-CTA build at (16, 16) and
-(32, 32) x 32K, H100, 2026-12-05, docs/kernels.md "Forty-third session"), the shared-K build to 96 and 5 (at
-80 it spills 40 bytes and was 0.83-0.95x). A build that also stored W and U, dropped on 2026-12-04, needed
-48.5 KiB and 123 registers: 4. The inverse needs no exp; the gates enter only GA.
+them from GA. K K^T is kept in shared memory over K's bytes (32.5 KiB in all for one v-head, 36 with the shared
+build's gate rows): both builds fit 80 registers and 6 CTAs per SM without spills. The inverse needs no exp; the
+gates enter only GA.
+
+L = StrictLower(diag(beta) K K^T) is never formed: each step reads only strictly lower elements of K K^T (the
+diagonal blocks' rows left of the diagonal, the lower-left blocks) and scales the rows of its result by beta,
+so a CTA that inverts for several v-heads (the shared build) stores K K^T once instead of one L per v-head.
+H100, 2026-12-07 (Nsight Compute, docs/kernels.md "Fifty-ninth session"): the kernel was bound by shared-memory
+throughput (L1 81-93%), and the per-v-head L (a conflicted store of the K K^T accumulator, a shared load of
+beta per element) was 23% of its stall samples; its fragment also held the shared build at 96 registers, 5 CTAs
+per SM (at 80 it spilled).
 
 A CTA takes one chunk and one v-head, or, in the `shared_k` build, `heads_per_cta` v-heads of one GQA group
 (launch.wy_heads_per_cta: the most of the group that still leaves 1.5 waves of CTAs), which share K: K is
@@ -41,17 +47,18 @@ keys, so they cannot reach the rows that exist (A is lower triangular).
 
 Schedule (one warpgroup, 128 threads; the K tile and K K^T once per CTA, the rest once per v-head):
   1. load the K tile (rows beyond the sequence end zeroed) and form K K^T on tensor cores (fp32
-     accumulate); read beta and g, cumsum g and store gcum; K K^T's strict lower part scaled by beta as it leaves
-     the accumulator, L = StrictLower(diag(beta) K K^T), to fp32 shared memory (X, the inverse, is written in
-     full by steps 2-4 before it is read: no identity fill);
+     accumulate), stored to fp32 shared memory over K; read beta and g, cumsum g and store gcum (X, the
+     inverse, is written in full by steps 2-4 before it is read: no identity fill);
   2. invert the four 16x16 diagonal blocks of I + L by fp32 forward substitution, one column per
-     thread held in registers (64 threads, no barrier inside the substitution; two partial sums per row);
+     thread held in registers (64 threads, no barrier inside the substitution; two partial sums per row,
+     x_i = e_i - beta_i sum_{j<i} (K K^T)_ij x_j);
   3. merge 16 -> 32: X21 = -D1^{-1} L21 D0^{-1} for both 32-blocks (fp32, each thread 4 rows of a column);
   4. merge 32 -> 64: X21 = -P1^{-1} L21 P0^{-1}, two 32 x 32 x 32 products on tensor cores (TF32 mma.sync
-     from the fp32 tiles, fp32 accumulation); both merges stage L21 X11 in the upper-right block of X (zero
-     in X, zeroed again after use);
-  5. mask by Gamma and store GA straight from X's tile (8 columns of a row per thread, one 16-byte store, no
-     branch).
+     from the fp32 tiles, fp32 accumulation); both merges form L21 X11 as diag(beta) ((K K^T)21 X11) and stage
+     it in the upper-right block of X (zero in X; the 16 x 16 blocks zeroed again after use, as the 32 -> 64
+     products read them);
+  5. mask by Gamma and store GA straight from X's tile (4 columns of a row in each half per thread, two
+     8-byte stores, no branch).
 Steps 2-4 on CUDA cores in fp32 replaced a barrier per substituted row and TF32 tensor-core merges with
 staging copies (H200, 2026-11-30: 0.34 -> 0.24 ms at (2, 8) x 32K tokens, 1.25 -> 0.94 ms at (16, 32)).
 The 32 -> 64 merge, 65K of the CTA's FMAs and 29% of its time there, went back to TF32 tensor cores as two
@@ -133,9 +140,8 @@ def build_wy_inverse(dtype: str, shared_k: bool, copy_beta: bool):
     ):
         with T.Kernel(num_chunk_slots * (num_v_heads // heads_per_cta) if shared_k else num_chunk_slots,
                       1 if shared_k else num_v_heads, threads=128) as (cta, hv):
-            # 5 CTAs per SM: <= 102 registers (the merge's fragments want 111); 6: <= 85, which the one-v-head
-            # build meets without spills
-            T.annotate_min_blocks_per_sm(5 if shared_k else 6)
+            # 6 CTAs per SM: <= 85 registers (80 allocated), which both builds meet without spills
+            T.annotate_min_blocks_per_sm(6)
             chunk = T.alloc_var("int32")
             h0 = T.alloc_var("int32")  # the CTA's first v-head
             h = T.alloc_var("int32")  # the v-head in work
@@ -155,7 +161,7 @@ def build_wy_inverse(dtype: str, shared_k: bool, copy_beta: bool):
                 beta_sh = T.alloc_shared((C,), "float32")
                 g_sh = T.alloc_shared((C,), "float32")
             KKt = T.alloc_fragment((C, C), "float32")
-            L_sh = T.alloc_shared((C, C), "float32")
+            KKt_sh = T.alloc_shared((C, C), "float32")  # K K^T for every v-head of the CTA (over K's bytes)
             X_sh = T.alloc_shared((C, C), "float32")
             X_row = T.alloc_local((8,), "float32")  # step 5: 8 columns of one row of X, their gates, of GA
             g_cols = T.alloc_local((8,), "float32")
@@ -181,16 +187,16 @@ def build_wy_inverse(dtype: str, shared_k: bool, copy_beta: bool):
                     if r >= n_rows:
                         K_sh[r, d] = T.cast(0, dtype)
             T.gemm(K_sh, K_sh, KKt, transpose_B=True, clear_accum=True)
+            T.copy(KKt, KKt_sh)
             for head in T.serial(heads_per_cta if shared_k else 1):
                 h = h0 + head
-                if shared_k:
-                    T.sync_threads()  # the last v-head's steps (and K K^T) are done with the shared tiles
-                # --- L = StrictLower(diag(beta) K K^T). X = (I + L)^{-1} needs no initial value: the steps below
-                # write every element of it before any is read (the diagonal blocks with their zeros above the
-                # diagonal, the lower blocks, the upper blocks as staging that is zeroed after use) -------------
-                for r, s in T.Parallel(C, C):  # beta applied as L leaves the accumulator
-                    L_sh[r, s] = T.if_then_else(r > s, (beta_sh[head, r] if shared_k else beta_sh[r]) * KKt[r, s], 0.0)
+                # the last v-head's steps are done with X (and K K^T is in KKt_sh)
                 T.sync_threads()
+                # --- X = (I + L)^{-1}, L = StrictLower(diag(beta) K K^T). L is never formed: every step reads
+                # only strictly lower elements of K K^T and applies beta to the rows of its result. X needs no
+                # initial value: the steps below write every element of it before any is read (the diagonal
+                # blocks with their zeros above the diagonal, the lower blocks, the upper blocks as staging that
+                # is zeroed after use) ----------------------------------------------------------------------------
 
                 # --- 16x16 diagonal blocks, one column per thread in registers: x_i = e_i - sum_{j<i} L_ij x_j
                 tx = T.get_thread_binding()
@@ -200,12 +206,13 @@ def build_wy_inverse(dtype: str, shared_k: bool, copy_beta: bool):
                     blk = tx // 16
                     c = tx % 16
                     for i in T.unroll(16):
-                        acc[0] = T.if_then_else(i == c, 1.0, 0.0)
+                        acc[0] = 0.0
                         acc[1] = 0.0
                         for j in T.unroll(16):
                             if j < i:
-                                acc[j % 2] = acc[j % 2] - L_sh[blk * 16 + i, blk * 16 + j] * col[j]
-                        col[i] = acc[0] + acc[1]
+                                acc[j % 2] = acc[j % 2] + KKt_sh[blk * 16 + i, blk * 16 + j] * col[j]
+                        col[i] = T.if_then_else(i == c, 1.0, 0.0) - (
+                            beta_sh[head, blk * 16 + i] if shared_k else beta_sh[blk * 16 + i]) * (acc[0] + acc[1])
                     for i in T.unroll(16):
                         X_sh[blk * 16 + i, blk * 16 + c] = col[i]
                 T.sync_threads()
@@ -217,8 +224,12 @@ def build_wy_inverse(dtype: str, shared_k: bool, copy_beta: bool):
                 for r in T.unroll(4):
                     acc[r] = 0.0
                     for j in T.unroll(16):
-                        acc[r] = acc[r] + L_sh[p * 32 + 16 + r0 + r, p * 32 + j] * X_sh[p * 32 + j, p * 32 + c2]
-                # L21 X11 staged in the upper-right 16x16 block of the 32-block (zero in X, restored below)
+                        acc[r] = acc[r] + KKt_sh[p * 32 + 16 + r0 + r, p * 32 + j] * X_sh[p * 32 + j, p * 32 + c2]
+                # L21 X11 = diag(beta) (K K^T)21 X11 staged in the upper-right 16x16 block of the 32-block (zero in
+                # X, restored below). beta is applied in a loop of its own: read from shared memory in the loop that
+                # stores to X, TileLang's storage-sync pass puts a barrier inside every iteration
+                for r in T.unroll(4):
+                    acc[r] = (beta_sh[head, p * 32 + 16 + r0 + r] if shared_k else beta_sh[p * 32 + 16 + r0 + r]) * acc[r]
                 for r in T.unroll(4):
                     X_sh[p * 32 + r0 + r, p * 32 + 16 + c2] = acc[r]
                 T.sync_threads()
@@ -235,31 +246,44 @@ def build_wy_inverse(dtype: str, shared_k: bool, copy_beta: bool):
                 T.sync_threads()
 
                 # --- merge 32 -> 64: X21 = -X22 (L21 X11), two 32 x 32 x 32 products on tensor cores (TF32) --
-                T.gemm(L_sh[32:64, 0:32], X_sh[0:32, 0:32], Y, clear_accum=True)
-                T.copy(Y, X_sh[0:32, 32:64])  # L21 X11 staged in the upper-right quadrant (zero in X, restored below)
+                T.gemm(KKt_sh[32:64, 0:32], X_sh[0:32, 0:32], Y, clear_accum=True)
+                # L21 X11 = diag(beta) (K K^T)21 X11 staged in the upper-right quadrant (left as it is after: step 5
+                # masks X's upper triangle by select, and the next v-head's steps write it before reading it)
+                for r, s in T.Parallel(32, 32):
+                    Y[r, s] = (beta_sh[head, 32 + r] if shared_k else beta_sh[32 + r]) * Y[r, s]
+                T.copy(Y, X_sh[0:32, 32:64])
                 T.gemm(X_sh[32:64, 32:64], X_sh[0:32, 32:64], Y, clear_accum=True)
                 for r, s in T.Parallel(32, 32):
                     X_sh[32 + r, s] = -Y[r, s]
-                for r, s in T.Parallel(32, 32):
-                    X_sh[r, 32 + s] = 0.0
                 T.sync_threads()
 
                 # --- GA = Gamma o X (its gate mask applied once here, so the fused walk takes it as a product
-                # operand), straight from X's tile to global memory: 8 consecutive columns of one row per thread,
-                # one 16-byte store, no branch (T.Select evaluates both sides: above the diagonal the discarded
-                # one may be 0 x inf) ---------------------------------------------------------------------------
-                c0 = (tx % 8) * 8
-                for j in T.vectorized(8):  # the thread's 8 column gates, the same in each of its 4 rows
+                # operand), straight from X's tile to global memory: 4 columns of one row in each half of X per
+                # thread, two 8-byte stores, no branch (T.Select evaluates both sides: above the diagonal the
+                # discarded one may be 0 x inf, or X's stale staging). X's halves of 32 columns each lie in their
+                # own 8 KiB with the 16-byte groups of a row swizzled over all 32 banks, so the 8 threads of a row
+                # reading the 8 groups of one half are conflict-free (8 consecutive columns per thread put two
+                # threads of a phase on the same banks, one in each half: Nsight Compute had this step's shared
+                # loads at 64% of ideal) ----------------------------------------------------------------------------
+                c0 = (tx % 8) * 4
+                for j in T.vectorized(4):  # the thread's 8 column gates, the same in each of its 4 rows
                     g_cols[j] = g_sh[head, c0 + j] if shared_k else g_sh[c0 + j]
+                for j in T.vectorized(4):
+                    g_cols[4 + j] = g_sh[head, 32 + c0 + j] if shared_k else g_sh[32 + c0 + j]
                 for i in T.unroll(4):
                     r = i * 16 + tx // 8
-                    for j in T.vectorized(8):
+                    for j in T.vectorized(4):
                         X_row[j] = X_sh[r, c0 + j]
+                    for j in T.vectorized(4):
+                        X_row[4 + j] = X_sh[r, 32 + c0 + j]
                     for j in T.unroll(8):
-                        GA_row[j] = T.cast(T.Select(r >= c0 + j, X_row[j] * T.exp2(((g_sh[head, r] if shared_k else g_sh[r]) - g_cols[j]) * LOG2E), 0.0),
-                                           dtype)
+                        GA_row[j] = T.cast(T.Select(r >= c0 + j % 4 + 32 * (j // 4),
+                                                    X_row[j] * T.exp2(((g_sh[head, r] if shared_k else g_sh[r])
+                                                                       - g_cols[j]) * LOG2E), 0.0), dtype)
                     if r < n_rows:
-                        for j in T.vectorized(8):
+                        for j in T.vectorized(4):
                             GA[start + r, h, c0 + j] = GA_row[j]
+                        for j in T.vectorized(4):
+                            GA[start + r, h, 32 + c0 + j] = GA_row[4 + j]
 
     return wy_inverse
