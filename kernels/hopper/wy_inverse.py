@@ -24,10 +24,13 @@ so a CTA that inverts for several v-heads (the shared build) stores K K^T once i
 H100, 2026-12-07 (Nsight Compute, docs/kernels.md "Fifty-ninth session"): the kernel was bound by shared-memory
 throughput (L1 81-93%), and the per-v-head L (a conflicted store of the K K^T accumulator, a shared load of
 beta per element) was 23% of its stall samples; its fragment also held the shared build at 96 registers, 5 CTAs
-per SM (at 80 it spilled).
+per SM (at 80 it spilled). Kernel alone against that form, same process (GA within 1.1e-4, the fp32 inverse's
+roundings in another order before bf16; gcum and beta's copy bitwise): (2, 8) x 32K 57.4 -> 48.1 us, (16, 64) x 8K x 4
+381.0 -> 311.2, (16, 32) x 4K x 8 212.1 -> 177.6, (8, 24) x 32K 148.8 -> 122.3, one-v-head (32, 32) x 32K 216.8 ->
+202.2, with GA's loads made conflict-free (step 5) and the heads rule at 6 CTAs per SM.
 
 A CTA takes one chunk and one v-head, or, in the `shared_k` build, `heads_per_cta` v-heads of one GQA group
-(launch.wy_heads_per_cta: the most of the group that still leaves 1.5 waves of CTAs), which share K: K is
+(launch.wy_heads_per_cta: the most of the group that still leaves 1.5 waves of CTAs, or a pair one), which share K: K is
 loaded and K K^T formed once, then the inverse runs for each of its v-heads (their beta, gates and GA). The
 one-v-head build reads its gates while K is in flight (the shared build at one v-head per CTA, which reads
 them after, was 0.95-0.97x it at (16, 16) and (32, 32) x 32K). H200, 2026-12-04, against the one-v-head kernel
