@@ -190,7 +190,7 @@ def cubin_registers(path: str) -> int | None:
 
 def ptxas_report(compile_kernel):
     """compile_kernel() with nvcc's output recorded (TileLang captures it and keeps it only on failure); returns
-    the kernel and ptxas's spill and wgmma-serialisation lines."""
+    the kernel and ptxas's spill, register-count (with --verbose) and wgmma-serialisation lines."""
     import subprocess
     import types
 
@@ -203,7 +203,7 @@ def ptxas_report(compile_kernel):
             out, err = super().communicate(*args, **kwargs)
             for stream in (out, err):
                 lines.extend(line for line in (stream or b"").decode(errors="replace").splitlines()
-                             if "spill" in line or WGMMA_SERIALISED in line)
+                             if "spill" in line or WGMMA_SERIALISED in line or USED_REGISTERS.search(line))
             return out, err
 
     nvcc.subprocess = types.SimpleNamespace(**{**vars(subprocess), "Popen": Recording})  # for nvcc.py alone
@@ -218,6 +218,44 @@ def ptxas_report(compile_kernel):
 # after issuing it, a slower kernel and no error. Seen when a product stays in flight across a loop's back edge
 # while the next iteration waits with wait_group 1 (docs/kernels.md, "Thirty-sixth session").
 WGMMA_SERIALISED = "wgmma.mma_async instructions are serialized"
+USED_REGISTERS = re.compile(r"Used (\d+) registers")  # ptxas --verbose
+
+
+def ctas_per_sm(registers: int, shared: int, threads: int) -> dict[str, int]:
+    """CTAs of a kernel one SM holds, by each limit: registers (allocated per warp in units of 256), dynamic shared
+    memory (plus the 1 KiB the driver reserves per CTA) and warps."""
+    per_warp = -(-registers * 32 // 256) * 256
+    warps = max(threads // 32, 1)
+    return {"registers": REGISTERS_PER_SM // (per_warp * warps),
+            "shared memory": SHARED_PER_SM // (shared + SHARED_RESERVED_PER_CTA) if shared else MAX_WARPS_PER_SM,
+            "warps": MAX_WARPS_PER_SM // warps}
+
+
+def occupancy(prim_func, module: str | None = None) -> dict[str, int]:
+    """Registers per thread (ptxas), dynamic shared memory (the launch in TileLang's host code), threads and the
+    CTAs per SM they allow (`ctas_per_sm`, the least of the limits) of `prim_func` compiled for sm_90a afresh
+    (TileLang's cache is off for the call and restored after): what a launch rule that counts CTAs per SM assumes
+    (launch.WY_INVERSE_CTAS_PER_SM)."""
+    import tilelang
+    from tilelang.env import env
+
+    from flashqla.kernels.hopper import launch
+
+    cache_was_on = env.is_cache_enabled()
+    tilelang.disable_cache()
+    try:
+        configs = {**launch._pass_configs(module), "tl.device_compile_flags": ["--ptxas-options=--verbose"]}
+        kernel, lines = ptxas_report(lambda: tilelang.compile(prim_func, target=launch.TARGET, pass_configs=configs))
+    finally:
+        if cache_was_on:
+            tilelang.enable_cache()
+    used = [int(m.group(1)) for m in map(USED_REGISTERS.search, lines) if m]
+    threads = int(re.findall(r"__launch_bounds__\((\d+)", kernel.get_kernel_source())[0])
+    shared = launch_shared_memory(kernel.get_host_source(), threads)
+    limits = ctas_per_sm(max(used), shared, threads)
+    spill_stores = sum(int(n) for n in re.findall(r"(\d+) bytes spill stores", "\n".join(lines)))
+    return {"registers": max(used), "shared": shared, "threads": threads, "ctas_per_sm": min(limits.values()),
+            "spill_stores": spill_stores}
 
 
 def wgmma_serialisation(prim_func) -> list[str]:
@@ -307,14 +345,16 @@ def main():
     print(f"  registers per thread: {registers if registers is not None else 'n/a (no cubin record)'}")
     print(f"  dynamic shared memory: {shared} bytes ({shared / 1024:.2f} KiB)")
     for line in messages:
-        print(f"  ptxas: {line.strip()}" if "spill" in line else f"  ptxas SERIALISES EVERY WGMMA: {line.strip()}")
+        if WGMMA_SERIALISED in line:
+            print(f"  ptxas SERIALISES EVERY WGMMA: {line.strip()}")
+        elif "spill" in line:
+            print(f"  ptxas: {line.strip()}")
     for name, offset in sorted(layout, key=lambda item: int(item[1])):
         print(f"    {int(offset):7d}  {name}")
     limits = {"shared memory": SHARED_PER_SM // (shared + SHARED_RESERVED_PER_CTA) if shared else None,
               "warps": MAX_WARPS_PER_SM // max(threads[0] // 32, 1) if threads[0] else None}
     if registers and threads[0]:
-        per_warp = -(-registers * 32 // 256) * 256  # allocated per warp in units of 256 registers
-        limits["registers"] = REGISTERS_PER_SM // (per_warp * threads[0] // 32)
+        limits["registers"] = ctas_per_sm(registers, shared, threads[0])["registers"]
     known = {k: v for k, v in limits.items() if v is not None}
     print("  CTAs per SM: " + ", ".join(f"{v} by {k}" for k, v in known.items())
           + (f" -> {min(known.values())}" if known else ""))

@@ -19,7 +19,7 @@ from parallel_compile import compile_all, spawned_pool  # noqa: E402
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
 from bank_conflicts import describe, excess_fraction, shared_accesses  # noqa: E402
 from kernel_resources import (barrier_hazards, barriers_in_unrolled_loops, dynamic_divisions_in_loops,  # noqa: E402
-                              wgmma_serialisation)
+                              occupancy, wgmma_serialisation)
 
 CONFIGS = list(launch.kernel_configs())
 
@@ -121,6 +121,22 @@ def _serialisation_of(module, builder, args):
 
     tilelang.set_log_level("WARNING")
     return wgmma_serialisation(getattr(importlib.import_module(f"flashqla.kernels.hopper.{module}"), builder)(*args))
+
+
+def _wy_inverse_occupancy(shared_k: bool):
+    from flashqla.kernels.hopper.wy_inverse import build_wy_inverse
+
+    return occupancy(build_wy_inverse("bfloat16", shared_k, True), "wy_inverse")
+
+
+def test_wy_inverse_fits_the_ctas_per_sm_its_heads_rule_counts():
+    """launch.wy_heads_per_cta sizes its waves at WY_INVERSE_CTAS_PER_SM: both builds must fit that many CTAs per SM
+    by registers and shared memory, without spills (80 registers and 32.5-36 KiB: 6; the shared-K build held its
+    K K^T accumulator across the v-head loop at 96 registers, 5, until 2026-12-07)."""
+    with spawned_pool(2) as pool:
+        found = dict(zip((False, True), pool.map(_wy_inverse_occupancy, (False, True))))
+    for shared_k, usage in found.items():
+        assert usage["ctas_per_sm"] >= launch.WY_INVERSE_CTAS_PER_SM and usage["spill_stores"] == 0, (shared_k, usage)
 
 
 def test_ptxas_keeps_every_walk_pipelined():
