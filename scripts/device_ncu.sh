@@ -5,6 +5,7 @@
 # report itself when it is small enough to come back.
 #   KERNEL=chunk_bwd_local_kernel NAME=cbl bash scripts/device_ncu.sh --heads 16,32 --tokens 32768 --seqs 8 --intra-cp auto
 # SKIP (launches of the kernel to pass over first, default 1: the first call's) and NCU_ARGS add to ncu's options.
+# Read the SASS region by region (between CTA barriers) here: python3 scripts/ncu_regions.py <name>_sass.csv.xz --ctas N
 set -uo pipefail
 source scripts/device_setup.sh >/dev/null 2>&1 || { echo "device_setup failed"; exit 1; }
 kernel=${KERNEL:?KERNEL=<kernel name regex>}
