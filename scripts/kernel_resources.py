@@ -221,14 +221,19 @@ WGMMA_SERIALISED = "wgmma.mma_async instructions are serialized"
 USED_REGISTERS = re.compile(r"Used (\d+) registers")  # ptxas --verbose
 
 
-def ctas_per_sm(registers: int, shared: int, threads: int) -> dict[str, int]:
-    """CTAs of a kernel one SM holds, by each limit: registers (allocated per warp in units of 256), dynamic shared
-    memory (plus the 1 KiB the driver reserves per CTA) and warps."""
-    per_warp = -(-registers * 32 // 256) * 256
-    warps = max(threads // 32, 1)
-    return {"registers": REGISTERS_PER_SM // (per_warp * warps),
-            "shared memory": SHARED_PER_SM // (shared + SHARED_RESERVED_PER_CTA) if shared else MAX_WARPS_PER_SM,
-            "warps": MAX_WARPS_PER_SM // warps}
+def ctas_per_sm(registers: int | None, shared: int, threads: int) -> dict[str, int]:
+    """CTAs of a kernel one SM holds, by each limit that applies: registers (allocated per warp in units of 256; none
+    when unknown), dynamic shared memory (plus the 1 KiB the driver reserves per CTA; none without any) and warps
+    (none when the thread count is unknown, 0)."""
+    limits = {}
+    if shared:
+        limits["shared memory"] = SHARED_PER_SM // (shared + SHARED_RESERVED_PER_CTA)
+    if threads:
+        warps = max(threads // 32, 1)
+        limits["warps"] = MAX_WARPS_PER_SM // warps
+        if registers:
+            limits["registers"] = REGISTERS_PER_SM // (-(-registers * 32 // 256) * 256 * warps)
+    return limits
 
 
 def occupancy(prim_func, module: str | None = None) -> dict[str, int]:
@@ -351,11 +356,7 @@ def main():
             print(f"  ptxas: {line.strip()}")
     for name, offset in sorted(layout, key=lambda item: int(item[1])):
         print(f"    {int(offset):7d}  {name}")
-    limits = {"shared memory": SHARED_PER_SM // (shared + SHARED_RESERVED_PER_CTA) if shared else None,
-              "warps": MAX_WARPS_PER_SM // max(threads[0] // 32, 1) if threads[0] else None}
-    if registers and threads[0]:
-        limits["registers"] = ctas_per_sm(registers, shared, threads[0])["registers"]
-    known = {k: v for k, v in limits.items() if v is not None}
+    known = ctas_per_sm(registers, shared, threads[0])
     print("  CTAs per SM: " + ", ".join(f"{v} by {k}" for k, v in known.items())
           + (f" -> {min(known.values())}" if known else ""))
     # 64-bit integer division lowers to a called routine (SASS CALL): a few for a CTA's indices are normal, one
