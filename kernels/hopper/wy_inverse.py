@@ -193,13 +193,16 @@ def build_wy_inverse(dtype: str, shared_k: bool, copy_beta: bool):
             T.copy(KKt, KKt_sh)
             for head in T.serial(heads_per_cta if shared_k else 1):
                 h = h0 + head
+                # this v-head's beta and gate at a row of the chunk (the shared build holds a row per v-head)
+                beta_at = (lambda row: beta_sh[head, row]) if shared_k else (lambda row: beta_sh[row])  # noqa: E731
+                gate_at = (lambda row: g_sh[head, row]) if shared_k else (lambda row: g_sh[row])  # noqa: E731
                 # the last v-head's steps are done with X (and K K^T is in KKt_sh)
                 T.sync_threads()
                 # --- X = (I + L)^{-1}, L = StrictLower(diag(beta) K K^T). L is never formed: every step reads
                 # only strictly lower elements of K K^T and applies beta to the rows of its result. X needs no
                 # initial value: the steps below write every element of it before any is read (the diagonal
-                # blocks with their zeros above the diagonal, the lower blocks, the upper blocks as staging that
-                # is zeroed after use) ----------------------------------------------------------------------------
+                # blocks with their zeros above the diagonal, the lower blocks, the upper blocks as staging: the
+                # 16 x 16 ones zeroed after use, the 32 x 32 one left stale) ---------------------------------------
 
                 # --- 16x16 diagonal blocks, one column per thread in registers: x_i = e_i - sum_{j<i} L_ij x_j
                 tx = T.get_thread_binding()
@@ -214,8 +217,7 @@ def build_wy_inverse(dtype: str, shared_k: bool, copy_beta: bool):
                         for j in T.unroll(16):
                             if j < i:
                                 acc[j % 2] = acc[j % 2] + KKt_sh[blk * 16 + i, blk * 16 + j] * col[j]
-                        col[i] = T.if_then_else(i == c, 1.0, 0.0) - (
-                            beta_sh[head, blk * 16 + i] if shared_k else beta_sh[blk * 16 + i]) * (acc[0] + acc[1])
+                        col[i] = T.if_then_else(i == c, 1.0, 0.0) - beta_at(blk * 16 + i) * (acc[0] + acc[1])
                     for i in T.unroll(16):
                         X_sh[blk * 16 + i, blk * 16 + c] = col[i]
                 T.sync_threads()
@@ -232,7 +234,7 @@ def build_wy_inverse(dtype: str, shared_k: bool, copy_beta: bool):
                 # X, restored below). beta is applied in a loop of its own: read from shared memory in the loop that
                 # stores to X, TileLang's storage-sync pass puts a barrier inside every iteration
                 for r in T.unroll(4):
-                    acc[r] = (beta_sh[head, p * 32 + 16 + r0 + r] if shared_k else beta_sh[p * 32 + 16 + r0 + r]) * acc[r]
+                    acc[r] = beta_at(p * 32 + 16 + r0 + r) * acc[r]
                 for r in T.unroll(4):
                     X_sh[p * 32 + r0 + r, p * 32 + 16 + c2] = acc[r]
                 T.sync_threads()
@@ -253,7 +255,7 @@ def build_wy_inverse(dtype: str, shared_k: bool, copy_beta: bool):
                 # L21 X11 = diag(beta) (K K^T)21 X11 staged in the upper-right quadrant (left as it is after: step 5
                 # masks X's upper triangle by select, and the next v-head's steps write it before reading it)
                 for r, s in T.Parallel(32, 32):
-                    Y[r, s] = (beta_sh[head, 32 + r] if shared_k else beta_sh[32 + r]) * Y[r, s]
+                    Y[r, s] = beta_at(32 + r) * Y[r, s]
                 T.copy(Y, X_sh[0:32, 32:64])
                 T.gemm(X_sh[32:64, 32:64], X_sh[0:32, 32:64], Y, clear_accum=True)
                 for r, s in T.Parallel(32, 32):
@@ -270,9 +272,9 @@ def build_wy_inverse(dtype: str, shared_k: bool, copy_beta: bool):
                 # loads at 64% of ideal) ----------------------------------------------------------------------------
                 c0 = (tx % 8) * 4
                 for j in T.vectorized(4):  # the thread's 8 column gates, the same in each of its 4 rows
-                    g_cols[j] = g_sh[head, c0 + j] if shared_k else g_sh[c0 + j]
+                    g_cols[j] = gate_at(c0 + j)
                 for j in T.vectorized(4):
-                    g_cols[4 + j] = g_sh[head, 32 + c0 + j] if shared_k else g_sh[32 + c0 + j]
+                    g_cols[4 + j] = gate_at(32 + c0 + j)
                 for i in T.unroll(4):
                     r = i * 16 + tx // 8
                     for j in T.vectorized(4):
@@ -281,8 +283,7 @@ def build_wy_inverse(dtype: str, shared_k: bool, copy_beta: bool):
                         X_row[4 + j] = X_sh[r, 32 + c0 + j]
                     for j in T.unroll(8):
                         GA_row[j] = T.cast(T.Select(r >= c0 + j % 4 + 32 * (j // 4),
-                                                    X_row[j] * T.exp2(((g_sh[head, r] if shared_k else g_sh[r])
-                                                                       - g_cols[j]) * LOG2E), 0.0), dtype)
+                                                    X_row[j] * T.exp2((gate_at(r) - g_cols[j]) * LOG2E), 0.0), dtype)
                     if r < n_rows:
                         for j in T.vectorized(4):
                             GA[start + r, h, c0 + j] = GA_row[j]
