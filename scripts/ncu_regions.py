@@ -44,11 +44,15 @@ def _number(text: str) -> int:
         return 0
 
 
+def without_predicate(instruction: str) -> str:
+    """A SASS line without its guard: `@!P0 LDS.128 R4, [R2]` -> `LDS.128 R4, [R2]`."""
+    words = instruction.split(None, 1)
+    return words[1] if len(words) == 2 and words[0].startswith("@") else instruction
+
+
 def opcode(instruction: str) -> str:
     """The opcode of a SASS line without its predicate and modifiers: `@!P0 LDS.128 R4, [R2]` -> `LDS`."""
-    words = instruction.split()
-    if words and words[0].startswith("@"):
-        words = words[1:]
+    words = without_predicate(instruction).split()
     return words[0].split(".")[0] if words else ""
 
 
@@ -73,7 +77,7 @@ def regions_of(rows: list[dict]) -> list[Region]:
         if executed:
             name = opcode(instruction)
             current.opcodes[name] = current.opcodes.get(name, 0) + executed
-        bare = instruction.split(None, 1)[1] if instruction.startswith("@") and " " in instruction else instruction
+        bare = without_predicate(instruction)
         if ENDS_REGION.match(bare) or n == len(rows) - 1:
             current.last, current.closing = n, bare
             regions.append(current)
