@@ -114,13 +114,18 @@ def emulate_wy_inverse(k, beta, beta32, g, cu, offsets, GA, gcum, chunk_slots, s
         _store(GA, t0, n, Gamma * A)  # the walks' operand carries its gate mask, not beta
 
 
-def emulate_chunk_states(k, v, GA, beta, gcum, cu, offsets, h0, h_out, vnew, ht, mt, active, use_h0, store_ht,
-                         store_chunks, with_transition, use_active):
+def emulate_chunk_states(k, v, GA, beta, gcum, cu, offsets, h0, h_out, vnew, ht, mt, active, flags, exact, use_h0,
+                         store_ht, store_chunks, with_transition, use_active, threshold):
     """The state walk: V' = GA diag(beta) (V - diag(gamma) K S) from GA, v and beta (V = 0 for the transition
-    walks)."""
+    walks). use_active = FROM_GATES: the walks' gate statistics first, into active and exact
+    (`emulate_gate_statistics`: the kernel's `gate_statistics` adds the chunk sums in the same order)."""
+    from flashqla.kernels.hopper.launch import FROM_GATES
+
     Hv, D = v.shape[1], v.shape[2]
     N = cu.numel() - 1
     hk = _qk_heads(k.shape[1], Hv)
+    if use_active == FROM_GATES:
+        emulate_gate_statistics(gcum, cu, flags, exact.view(N, Hv), active.view(2, N, Hv), threshold)
     # walk 0: V from h0 (the states, or S*); walk 1 (with_transition): V = 0 from I, into mt (M)
     for kind in range(1 + with_transition):
         # active a: 0 skips the walk (zeros stored), a >= 1 starts it from S0 at chunk a - 1
@@ -284,9 +289,9 @@ def emulate_segment_chain(out, bias, mats, mask, first_rows, last_rows, num_head
                 out[r * num_heads + h] = (bias[src * num_heads + h].double() + factor * step).to(out.dtype)
 
 
-def emulate_segment_gates(gcum, cu, flags, exact, active, threshold):
+def emulate_gate_statistics(gcum, cu, flags, exact, active, threshold):
     """Per (row, head): the chunk sums from the row's last chunk back, added in fp32 in that order, until one
-    is below the threshold (segment_gates.py)."""
+    is below the threshold (chunk_states.py `gate_statistics`)."""
     from flashqla.kernels.hopper.launch import ALWAYS_M, FORCE_M, FORCE_S, HAS_NEXT, INTO_EXACT
 
     bounds, row_flags = cu.tolist(), flags.tolist()
@@ -325,7 +330,6 @@ def install(monkeypatch):
                                                                               pair_sum=pair_sum),
         "compiled_gqa_sum": lambda dtype: emulate_gqa_sum,
         "compiled_segment_chain": lambda block_v: emulate_segment_chain,
-        "compiled_segment_gates": lambda: emulate_segment_gates,
     }
     for module in (launch, backward):
         for name, fake in kernels.items():

@@ -212,6 +212,16 @@ def test_bad_cp_warmup(value, error):
         flashqla.chunk_gated_delta_rule(**args, cp_warmup=value)
 
 
+def gate_statistics(gcum, cu, flags, threshold):
+    """(exact, active) of the summary walks' gate statistics (chunk_states.py `gate_statistics`), emulated."""
+    from kernel_emulator import emulate_gate_statistics
+
+    exact = torch.empty(flags.numel(), gcum.shape[0], dtype=torch.float32)
+    active = torch.empty(2, flags.numel(), gcum.shape[0], dtype=torch.int32)
+    emulate_gate_statistics(gcum, cu, flags, exact, active, threshold)
+    return exact, active
+
+
 class TorchKernels:
     """Stands in for flashqla.kernels.hopper (prepare / walk / summaries / output) with the torch backend, so the
     kernel-path CP composition runs on the CPU: a walk from h0 is a whole-sequence forward, and the "per-chunk
@@ -259,14 +269,10 @@ class TorchKernels:
     def output(self, x, h, vnew, scale):
         return self._forward(x, x.v, scale, h, False)[0]
 
-    @staticmethod
-    def segment_masks(gcum, cu, flags, threshold):
-        from kernel_emulator import emulate_segment_gates
-
-        exact = torch.empty(flags.numel(), gcum.shape[0], dtype=torch.float32)
-        active = torch.empty(2, flags.numel(), gcum.shape[0], dtype=torch.int32)
-        emulate_segment_gates(gcum, cu, flags, exact, active, threshold)
-        return exact, active
+    def summaries_from_gates(self, x, flags, threshold):
+        exact, active = gate_statistics(x.gcum, x.cu, flags, threshold)
+        S_star, M = self.summaries(x, True, active)
+        return S_star, M, exact, active
 
     @staticmethod
     def fold_segments(out, bias, mats, exact, first_rows, last_rows, reverse, zero_start=False, num_chains=None):
@@ -330,7 +336,7 @@ def test_tilelang_auto_rule_takes_longer_segments_on_a_gpu_with_fewer_sms():
 
 
 def test_warmup_restarts_at_the_last_chunk_from_which_the_gates_sum_below_the_threshold():
-    """The gate statistics (segment_gates.py, emulated): with every row flagged HAS_NEXT | INTO_EXACT,
+    """The gate statistics (chunk_states.py `gate_statistics`, emulated): with every row flagged HAS_NEXT | INTO_EXACT,
     active[0] is the row's walk_from and active[1] whether it is not warm, the exact mask of the next row."""
     from flashqla.kernels.hopper.launch import HAS_NEXT, INTO_EXACT
 
@@ -341,7 +347,7 @@ def test_warmup_restarts_at_the_last_chunk_from_which_the_gates_sum_below_the_th
     cu = torch.tensor(plan.starts + (sum(lengths),), dtype=torch.int32)
     x = TorchKernels.prepare(None, None, torch.zeros(1, sum(lengths), 3, 1), g[None], None, cu)
     flags = torch.full((len(plan.starts),), HAS_NEXT | INTO_EXACT, dtype=torch.int32)
-    exact, active = TorchKernels.segment_masks(x.gcum.float(), cu, flags, -40.0)
+    exact, active = gate_statistics(x.gcum.float(), cu, flags, -40.0)
     walk_from, warm = active[0], active[1] == 0
     for row, (start, length) in enumerate(zip(plan.starts, plan.lengths)):
         chunk_sums = [g[t:min(t + 64, start + length)].sum(0) for t in range(start, start + length, 64)]

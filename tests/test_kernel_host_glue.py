@@ -507,8 +507,9 @@ def test_public_op_backward_reuses_the_forward_segment_starts(hopper, monkeypatc
 
     monkeypatch.setattr(backends, "tilelang_unsupported_reason", lambda call: None)  # "tilelang" on the CPU
     launches = []
-    real_summaries = hopper.summaries
-    monkeypatch.setattr(hopper, "summaries", lambda *a, **kw: launches.append(1) or real_summaries(*a, **kw))
+    real_summaries = hopper.summaries_from_gates
+    monkeypatch.setattr(hopper, "summaries_from_gates",
+                        lambda *a, **kw: launches.append(1) or real_summaries(*a, **kw))
     lengths = [200, 1, 129, 300]
     args, cu = call(lengths, Hqk=2, Hv=4, seed=6)
     gen = torch.Generator().manual_seed(7)

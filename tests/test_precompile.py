@@ -29,10 +29,9 @@ SHARED_CACHE = REPO / ".tilelang_cache"
 DTYPE = "bfloat16"
 EXPECTED = {f"{builder.__name__}{args}" for builder, args in kernel_configs((DTYPE,))}
 # the GDN kernels with tensor-core products (the segment chain runs fp32 on CUDA cores, like the layer ops;
-# the GQA sums stream; the segment gates add scalars)
+# the GQA sums stream)
 GDN_KERNELS = {f"{builder.__name__}{args}" for builder, args in launch.kernel_configs((DTYPE,))
-               if builder not in (launch.compiled_segment_chain, launch.compiled_gqa_sum,
-                                  launch.compiled_segment_gates)}
+               if builder not in (launch.compiled_segment_chain, launch.compiled_gqa_sum)}
 RACERS = 8  # ranks of one node starting at once
 
 REFUSE_COMPILING = """

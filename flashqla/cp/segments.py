@@ -83,7 +83,7 @@ class _PlanTensors:
     chain_last: torch.Tensor
     chains: int  # on the host: the sequences of more than one row, whose chains take steps
     # [has_h0, dht_given (None, False, True), leaving, rows] int32: each row's flags for the gate statistics
-    # (`_gate_flags`, kernels/hopper/segment_gates.py); `gate_flags` picks one row of flags
+    # (`_gate_flags`, kernels/hopper/chunk_states.py `gate_statistics`); `gate_flags` picks one row of flags
     gate_flag_table: torch.Tensor
     # [rows, longest row's chunks] int64: the last token of every chunk of every row (a row's last token
     # past its own chunks), where the chunk-local cumulative gate holds the chunk's sum
@@ -119,7 +119,8 @@ def _plan_tensors(plan: SegmentPlan, num_tokens: int, device: torch.device) -> _
 
 
 def _gate_flags(has_prev: list, has_next: list, last_row: int) -> list:
-    """_PlanTensors.gate_flag_table, built on the host once per plan: every row's bits of segment_gates.py.
+    """_PlanTensors.gate_flag_table, built on the host once per plan: every row's bits for the summary
+    walks' gate statistics (kernels/hopper/chunk_states.py `gate_statistics`).
 
     HAS_NEXT: the row's sequence continues in the next row. The forward chain reads M_j where it multiplies
     a maybe nonzero S_{j,0} (j not a sequence's first segment, unless there is an initial state) into
@@ -152,25 +153,18 @@ def _into_next(idx: _PlanTensors, exact):
     return exact_next
 
 
-def _segment_gates(hopper, x, idx: _PlanTensors, cp_warmup, has_h0: bool, dht_given: bool | None = None,
-                   leaving: bool = False):
-    """(exact [rows, Hv] fp32 0/1, active [2, rows, Hv] int32) from one `segment_gates` launch on the gates of
-    `x` (design doc §4): row j starts from the exact chain where row j - 1 does not warm up (the gates of
-    none of its trailing runs of chunks sum below `cp_warmup`; None: exact everywhere); active says which
-    summary walks `hopper.summaries` runs and from which chunk: S*_j where segment j + 1 starts from it (a
-    warmed-up row from the last chunk from which its gates sum below `cp_warmup`, as the torch backend
-    restarts), M_j where a chain multiplies it by a state or gradient that can be nonzero (`_gate_flags`).
-    has_h0: an initial state will be given; dht_given: None for no backward, else whether the final state
-    has a gradient; leaving: also the last row's S* and M, for the state it passes on (`leaving_state`)."""
-    threshold = -math.inf if cp_warmup is None else cp_warmup
-    return hopper.segment_masks(x.gcum, idx.cu, idx.gate_flags(has_h0, dht_given, leaving), threshold)
-
-
 def _segment_summaries(hopper, x, idx: _PlanTensors, cp_warmup, has_h0: bool, dht_given=None, leaving=False):
-    """(S*_j, M_j, exact mask [rows, Hv]) of every segment from zero: step 1 above (no initial state
-    needed, only whether one will come), fp32, for the walks `_segment_gates` asks for."""
-    exact, active = _segment_gates(hopper, x, idx, cp_warmup, has_h0, dht_given, leaving)
-    S_star, M = hopper.summaries(x, with_transition=True, active=active)
+    """(S*_j, M_j, exact mask [rows, Hv] fp32 0/1) of every segment from zero: step 1 above (no initial state
+    needed, only whether one will come), fp32, in one launch whose walks first read the gates of `x` (design
+    doc §4): row j starts from the exact chain where row j - 1 does not warm up (the gates of none of its
+    trailing runs of chunks sum below `cp_warmup`; None: exact everywhere); S*_j is walked where segment j + 1
+    starts from it (a warmed-up row from the last chunk from which its gates sum below `cp_warmup`, as the
+    torch backend restarts), M_j where a chain multiplies it by a state or gradient that can be nonzero
+    (`_gate_flags`). has_h0: an initial state will be given; dht_given: None for no backward, else whether the
+    final state has a gradient; leaving: also the last row's S* and M, for the state it passes on
+    (`leaving_state`)."""
+    threshold = -math.inf if cp_warmup is None else cp_warmup
+    S_star, M, exact, _ = hopper.summaries_from_gates(x, idx.gate_flags(has_h0, dht_given, leaving), threshold)
     return S_star, M, exact
 
 

@@ -11,8 +11,8 @@ Dispatch contract (flashqla/ops/backends.py):
 Forward: `wy_inverse` (GA = Gamma o A and the chunk-local cumsum of g, per chunk and v-head), then
 `fused_fwd` (one walk computing the outputs too); or, split (`fused=False`), `chunk_states` (the serial
 state walk per sequence, v-head and V tile) and `chunk_output` (all chunks at once). The segmented forward
-(flashqla/cp/segments.py) adds `segment_gates`, the summary walks (`chunk_states` without per-chunk
-stores) and `segment_chain`. Backward (`chunk_gdn_bwd`, backward.py): from the forward's kept GA, gates and
+(flashqla/cp/segments.py) adds the summary walks (`chunk_states` without per-chunk stores, computing
+intra-card CP's gate statistics first) and `segment_chain`. Backward (`chunk_gdn_bwd`, backward.py): from the forward's kept GA, gates and
 fp32 beta (`KeptInverse`; `wy_inverse` again when it kept none), `fused_fwd`'s state walk (the
 state entering every chunk) beside the reverse walk `chunk_dstates`, then `chunk_bwd_local` (every chunk's
 gradients at once) and `gqa_sum`. Intra-card and inter-card CP
@@ -28,12 +28,13 @@ import torch
 from .backward import (backward_of, chunk_gdn_bwd, entering_state_gradients, output_gradient,
                        state_gradients)
 from .launch import (HEAD_DIM, KeptInverse, block_v_for, chunk_gdn_fwd, fold_segments, fused_forward, output, prepare,
-                     prepare_from_kept, segment_masks, states_buffer, summaries, walk, walks_exceed_a_wave)
+                     prepare_from_kept, states_buffer, summaries, summaries_from_gates, walk,
+                     walks_exceed_a_wave)
 
 __all__ = ["unsupported_reason", "chunk_gdn_fwd", "chunk_gdn_bwd", "block_v_for", "prepare", "prepare_from_kept",
-           "KeptInverse", "walk", "summaries", "output", "fused_forward", "fold_segments", "state_gradients",
-           "backward_of", "output_gradient", "entering_state_gradients", "segment_masks", "walks_exceed_a_wave",
-           "states_buffer"]
+           "KeptInverse", "walk", "summaries", "summaries_from_gates", "output", "fused_forward", "fold_segments",
+           "state_gradients", "backward_of", "output_gradient", "entering_state_gradients",
+           "walks_exceed_a_wave", "states_buffer"]
 
 _DTYPES = (torch.bfloat16, torch.float16)
 

@@ -20,6 +20,10 @@ act column by column), so S* and M are one walk of [V | 0] from [S0 | I], run as
 says where the others start: a walk with active = a >= 1 starts from S0 at chunk a - 1 of its sequence,
 skipping the chunks before it (intra-card CP's warmup restart, design doc §4: the state leaving a segment
 from its last few chunks only, where the gates decay enough over them; summaries only, store_chunks = 0).
+With `use_active = FROM_GATES` the walks decide that themselves (`gate_statistics`: the chunk sums of their row's
+gates against the warmup threshold, and the row's flags), store what they decided in `active` and the chain's
+exact mask in `exact`. (A launch of its own between the inverse and this one computed them until 2026-12-07;
+folded in, TP8 1 x 32K's forward took 253.9 -> 249.6 us on an H100, docs/kernels.md "Sixty-first session".)
 
 Reading GA rather than W and U formed by a separate launch: H200, 2026-12-03, public op forward in CUDA
 graphs, the launch forming W and U + a walk reading them against this: TP8 32K 0.310 -> 0.304 ms (the walk
@@ -41,6 +45,8 @@ is applied while K S runs, and V' is stored while the state update runs.
 """
 import tilelang.language as T
 from tilelang.layout import make_swizzled_layout
+
+from .launch import ALWAYS_M, FORCE_M, FORCE_S, FROM_GATES, HAS_NEXT, INTO_EXACT
 
 CHUNK = 64
 HEAD_DIM = 128
@@ -64,9 +70,12 @@ def build_chunk_states(dtype: str, block_v: int):
     num_ht = T.dynamic("num_ht")
     num_mt = T.dynamic("num_mt")
     num_active = T.dynamic("num_active")
+    num_flags = T.dynamic("num_flags")
+    num_exact = T.dynamic("num_exact")
     C, D, BV = CHUNK, HEAD_DIM, block_v
     threads = threads_for(BV)
     loads = 5  # commit groups per chunk (load_chunk)
+    BACK = 64  # chunk sums a round of the gate statistics loads
 
     @T.macro
     def load_chunk(k, v, GA, beta, gcum, t0, hk, h, v0, K_s, GA_s, V_s, b_s, graw_s):
@@ -133,6 +142,63 @@ def build_chunk_states(dtype: str, block_v: int):
         T.warpgroup_fence_operand(S, num_regs=D * BV // threads)
         T.copy(S, S_sh)
 
+    @T.macro
+    def gate_statistics(gcum, flags, exact, active, threshold, bos, eos, num_chunks, n, h, bv, num_seqs, num_v_heads,
+                        back_sh, stats_sh):
+        """Intra-card CP's gate statistics of row n and v-head h (design doc §4), with G(c) the gates of chunk c summed (gcum at its last token),
+
+            warm      = some c with G(c) + G(c + 1) + ... + G(last chunk) < threshold
+            walk_from = 1 + the last such c (1 where not warm: the whole row)
+
+        added from the row's last chunk back, one at a time in fp32 (the order of the emulation), by one thread,
+        BACK chunk sums loaded at a time by the others. From the row's flags (launch.py's bits, set by
+        `segments._gate_flags`), the walk this CTA runs: S* from chunk walk_from - 1 where the next row reads it
+        (or FORCE_S), M where a chain multiplies it by a state that can be nonzero (FORCE_M, ALWAYS_M, or
+        INTO_EXACT on a row that does not warm up), left in stats_sh[2]. The first V tile's CTA also stores both
+        walks' `active` and exact[n + 1] = has_next and not warm (exact[0] = 0), which the chain reads."""
+        tx = T.get_thread_binding()
+        total = T.alloc_var("float32")
+        warm = T.alloc_var("int32")
+        walk_from = T.alloc_var("int32")
+        total = 0.0
+        warm = 0
+        walk_from = 1
+        for r in T.serial(T.ceildiv(num_chunks, BACK)):
+            if tx < BACK:
+                back = r * BACK + tx  # chunk num_chunks - 1 - back ends at token min(bos + (num_chunks - back) C, eos) - 1
+                back_sh[tx] = T.if_then_else(back < num_chunks,
+                                              gcum[h, T.max(T.min(bos + (num_chunks - back) * C, eos), bos + 1) - 1],
+                                              0.0)
+            T.sync_threads()
+            if tx == 0:
+                for p in T.serial(T.min(BACK, num_chunks - r * BACK)):
+                    if warm == 0:
+                        total += back_sh[p]
+                        if total < threshold:
+                            warm = 1
+                            walk_from = num_chunks - r * BACK - p
+            T.sync_threads()  # every sum read before the next round overwrites them
+        if tx == 0:
+            stats_sh[0] = warm
+            stats_sh[1] = walk_from
+        T.sync_threads()
+        row_flags = flags[n]
+        has_next = T.if_then_else(T.bitwise_and(row_flags, HAS_NEXT) != 0, 1, 0)
+        is_warm = stats_sh[0]
+        from_s = T.if_then_else(T.bitwise_and(row_flags, FORCE_S) != 0, 1, has_next * stats_sh[1])
+        from_m = T.if_then_else(T.bitwise_and(row_flags, FORCE_M | ALWAYS_M) != 0
+                                or (T.bitwise_and(row_flags, INTO_EXACT) != 0 and is_warm == 0), 1, 0)
+        if tx == 0:
+            stats_sh[2] = T.if_then_else(bv < D // BV, from_s, from_m)
+        if bv == 0 and tx == 0:
+            active[n * num_v_heads + h] = from_s
+            active[(num_seqs + n) * num_v_heads + h] = from_m
+            if n + 1 < num_seqs:
+                exact[(n + 1) * num_v_heads + h] = T.if_then_else(has_next == 1 and is_warm == 0, 1.0, 0.0)
+            if n == 0:
+                exact[h] = 0.0
+        T.sync_threads()
+
     @T.prim_func
     def chunk_states(
         k: T.Tensor((num_tokens, num_qk_heads, D), dtype),
@@ -148,11 +214,14 @@ def build_chunk_states(dtype: str, block_v: int):
         ht: T.Tensor((num_ht, D, D), "float32"),
         mt: T.Tensor((num_mt, D, D), "float32"),
         active: T.Tensor((num_active,), "int32"),
+        flags: T.Tensor((num_flags,), "int32"),
+        exact: T.Tensor((num_exact,), "float32"),
         use_h0: T.int32,
         store_ht: T.int32,
         store_chunks: T.int32,
         with_transition: T.int32,
         use_active: T.int32,
+        threshold: T.float32,
     ):
         with T.Kernel(D // BV * (1 + with_transition), num_seqs, num_v_heads, threads=threads_for(BV)) as (bv, n, h):
             hk = T.alloc_var("int32")
@@ -165,14 +234,24 @@ def build_chunk_states(dtype: str, block_v: int):
             walks_v = T.if_then_else(bv < D // BV, 1, 0)
             v0 = (bv % (D // BV)) * BV
             state_row = n * num_v_heads + h
+            back_sh = T.alloc_shared((BACK,), "float32")  # chunk sums of the row, BACK at a time from its end
+            stats_sh = T.alloc_shared((3,), "int32")  # warm, walk_from, this CTA's walk
             num_chunks = T.alloc_var("int32")
             first_chunk = T.alloc_var("int32")  # the walk runs chunks first_chunk .. num_chunks - 1
             skipped = T.alloc_var("int32")
             num_chunks = T.ceildiv(eos - bos, C)
             first_chunk = 0
             skipped = 0
-            if use_active != 0:
+            walk_active = T.alloc_var("int32")
+            walk_active = 1
+            if use_active == FROM_GATES:
+                gate_statistics(gcum, flags, exact, active, threshold, bos, eos, num_chunks, n, h, bv, num_seqs,
+                                num_v_heads, back_sh, stats_sh)
+                walk_active = stats_sh[2]
+                T.sync_threads()  # read by every thread before S_sh, laid over stats_sh, is stored
+            elif use_active != 0:
                 walk_active = active[((bv // (D // BV)) * num_seqs + n) * num_v_heads + h]
+            if use_active != 0:
                 skipped = T.if_then_else(walk_active >= 1, 0, 1)
                 # a >= 1 starts at chunk a - 1; a skipped walk (a = 0) starts past the end
                 first_chunk = T.min(T.if_then_else(walk_active >= 1, walk_active - 1, num_chunks), num_chunks)

@@ -68,12 +68,15 @@ def reads_chunk_scores(num_seqs: int, num_qk_heads: int, num_v_heads: int, block
 # put six in every step
 MODULE_PASS_CONFIGS = {"segment_chain": {"tl.disable_thread_storage_sync": True}}
 
-# The flag bits of a segment row for `segment_gates` (segment_gates.py; set by flashqla/cp/segments.py)
+# The flag bits of a segment row for the summary walks' gate statistics (chunk_states.py `gate_statistics`;
+# set by flashqla/cp/segments.py `_gate_flags`)
 HAS_NEXT = 1  # the row's sequence continues in the next row
 INTO_EXACT = 2  # M_j is read when the next row is on the exact path
 ALWAYS_M = 4  # M_j is read whatever the warmup (the backward's scan into a given final-state gradient)
 FORCE_S = 8  # S*_j over the whole row (the state leaving the call)
 FORCE_M = 16  # M_j likewise
+# chunk_states' `use_active` that has the summary walks compute these statistics themselves (chunk_states.py)
+FROM_GATES = 2
 
 # chunk_bwd_local's builds (its `pair_sum`): whether the dq and dk of a v-head pair meet in the kernel
 PAIR_SUMS = ("none", "ordered")
@@ -164,12 +167,6 @@ def compiled_segment_chain(block_v: int):
     return compile_from("segment_chain", "build_segment_chain", f"segment_chain(block_v={block_v})", block_v)
 
 
-@functools.lru_cache(maxsize=None)
-def compiled_segment_gates():
-    """The compiled gate statistics of intra-card CP segments (segment_gates.py)."""
-    return compile_from("segment_gates", "build_segment_gates", "segment_gates()")
-
-
 def kernel_configs(dtypes=KERNEL_DTYPES):
     """Every (kernel, args) pair dispatch can choose for TileLang dtypes `dtypes`: what a build machine compiles.
 
@@ -194,7 +191,6 @@ def kernel_configs(dtypes=KERNEL_DTYPES):
             yield compiled_chunk_dstates, (dtype, block_v)
     for block_v in CHAIN_BLOCK_V_CHOICES:
         yield compiled_segment_chain, (block_v,)
-    yield compiled_segment_gates, ()
 
 
 @functools.lru_cache(maxsize=None)
@@ -381,19 +377,27 @@ def _state_buffers(x: ChunkedCall, h0, store_final: bool):
 
 
 def _launch_walk(x: ChunkedCall, h0, store_chunks: bool, store_final: bool, with_transition: bool = False,
-                 active=None):
+                 active=None, gates=None):
     """chunk_states over every sequence of `x` from h0 (fp32 [N, Hv, 128, 128] or None = zeros): (h | None,
-    V' | None, final states | None, transition products | None); the flags are the kernel's."""
+    V' | None, final states | None, transition products | None); the flags are the kernel's. gates: (flags,
+    threshold, exact, active) of `summaries_from_gates`, whose exact and active the launch fills."""
     N, Hv, device = x.num_seqs, x.num_v_heads, x.q.device
     h0_arg, ht, ht_arg = _state_buffers(x, h0, store_final)
     mt = torch.empty(N, Hv, HEAD_DIM, HEAD_DIM, dtype=torch.float32, device=device) if with_transition else None
     slots = x.chunk_slots if store_chunks else 1
     h = torch.empty(slots, Hv, HEAD_DIM, HEAD_DIM, dtype=x.v.dtype, device=device)
     vnew = torch.empty_like(x.v)  # allocator-cached; untouched when store_chunks is False
-    if active is None:
-        active_arg = torch.ones(1, dtype=torch.int32, device=device)  # a placeholder: use_active = 0
+    if gates is not None:
+        flags, threshold, exact, active_arg = gates
+        use_active = FROM_GATES
     else:
-        active_arg = active.to(torch.int32).reshape(-1)
+        flags, threshold = torch.zeros(1, dtype=torch.int32, device=device), 0.0  # placeholders
+        exact = torch.empty(1, dtype=torch.float32, device=device)
+        use_active = int(active is not None)
+        if active is None:
+            active_arg = torch.ones(1, dtype=torch.int32, device=device)  # a placeholder: use_active = 0
+        else:
+            active_arg = active.to(torch.int32).reshape(-1)
     num_walks = N * (1 + with_transition)
     if store_chunks:
         block_v = block_v_on(device, num_walks, Hv)
@@ -401,7 +405,8 @@ def _launch_walk(x: ChunkedCall, h0, store_chunks: bool, store_final: bool, with
         block_v = summary_block_v(num_walks * Hv, sm_count_on(device))
     compiled_chunk_states(x.dtype, block_v)(
         x.k, x.v, x.GA, x.beta, x.gcum, x.cu, x.offsets, h0_arg, h, vnew, ht_arg, ht_arg if mt is None else mt.view(N * Hv, HEAD_DIM, HEAD_DIM), active_arg,
-        int(h0 is not None), int(store_final), int(store_chunks), int(with_transition), int(active is not None))
+        flags, exact.view(-1), int(h0 is not None), int(store_final), int(store_chunks), int(with_transition), use_active,
+        float(threshold))
     return (h if store_chunks else None, vnew if store_chunks else None, ht, mt)
 
 
@@ -424,6 +429,20 @@ def summaries(x: ChunkedCall, with_transition: bool, active=None):
     return S_star, M
 
 
+def summaries_from_gates(x: ChunkedCall, flags, threshold: float):
+    """(S*, M, exact fp32 [N, Hv], active int32 [2, N, Hv]) of intra-card CP's segments `x` in one launch whose
+    walks compute their own gate statistics (chunk_states.py `gate_statistics`: which rows start from the exact
+    chain and which walks run from which chunk, from the rows' `flags` and the warmup threshold, -inf: exact
+    everywhere) and run the S* and M walks those
+    ask for, from where they say."""
+    N, Hv, device = x.num_seqs, x.num_v_heads, x.q.device
+    exact = torch.empty(N, Hv, dtype=torch.float32, device=device)
+    active = torch.empty(2, N, Hv, dtype=torch.int32, device=device)
+    _, _, S_star, M = _launch_walk(x, None, store_chunks=False, store_final=True, with_transition=True,
+                                   gates=(flags, threshold, exact, active.view(-1)))
+    return S_star, M, exact, active
+
+
 def chain_block_v(num_chains: int, sm_count: int) -> int:
     """The segment chain's V tile for `num_chains` (sequence, v-head) chains (see CHAIN_BLOCK_V_CHOICES): the
     narrowest whose CTAs fit in one wave, else 8 while its CTAs make at most CHAIN_MAX_WAVES_AT_8 waves, else
@@ -439,7 +458,7 @@ def fold_segments(out, bias, mats, exact, first_rows, last_rows, reverse: bool, 
     """The chain over segments in one `segment_chain` launch, in place on `out` (fp32 [rows, Hv, 128, 128]):
     forward out[r] = bias[r-1] + exact[r] mats[r-1] out[r-1]; reverse out[r] = bias[r+1] + f_r mats[r+1]^T
     out[r+1], f_r = 1 out of a sequence's last row (r + 1 = last), else exact[r + 2]. bias, mats fp32 like out;
-    exact fp32 [rows, Hv] (which rows start from the exact chain: `segment_masks`); first_rows, last_rows int32
+    exact fp32 [rows, Hv] (which rows start from the exact chain: `summaries_from_gates`); first_rows, last_rows int32
     [sequences], in any order (the CTAs are issued in it, a sequence's v-heads together: longest first lets
     the chains that take steps start before the one-row sequences'). The chain starts from the first rows
     (forward) or last rows (reverse) of `out` as given, or with zero_start from zero, which it writes there.
@@ -454,18 +473,6 @@ def fold_segments(out, bias, mats, exact, first_rows, last_rows, reverse: bool, 
     compiled_segment_chain(block_v)(flat(out), flat(bias), flat(mats), exact.reshape(-1), first_rows, last_rows, Hv,
                                     int(reverse), int(zero_start))
     return out
-
-
-def segment_masks(gcum, cu, flags, threshold: float):
-    """(exact fp32 [rows, Hv], active int32 [2, rows, Hv]) of the segments `cu` (int32 [rows + 1]) of a call
-    whose chunk-local cumulative gates are `gcum` ([Hv, T] fp32, `prepare`'s): which rows start from the
-    exact chain and which summary walks run from which chunk, from the rows' `flags` (int32 [rows],
-    segment_gates.py) and the warmup threshold (-inf: exact everywhere), in one launch."""
-    Hv, rows = gcum.shape[0], flags.numel()
-    exact = torch.empty(rows, Hv, dtype=torch.float32, device=gcum.device)
-    active = torch.empty(2, rows, Hv, dtype=torch.int32, device=gcum.device)
-    compiled_segment_gates()(gcum, cu, flags, exact, active, float(threshold))
-    return exact, active
 
 
 def output(x: ChunkedCall, h, vnew, scale: float) -> torch.Tensor:

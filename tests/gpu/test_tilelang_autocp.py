@@ -127,36 +127,31 @@ def test_segment_chain_kernel_matches_the_float64_fold(reverse, block_v, zero_st
 
 
 @pytest.mark.parametrize("threshold", [-10.0, -3.0, float("-inf")])
-def test_segment_gates_kernel_matches_its_emulation(threshold):
-    """The gate statistics in one launch (segment_gates.py) against the fp32 emulation the CPU suite runs
-    (tests/kernel_emulator.py), element for element: rows of 1 to 100 chunks (more than one round of 32
-    chunks), 40 v-heads (a second, partial block of 32), g = 0 and strongly decaying heads, every flag bit;
-    outputs poisoned first (NaN, -7) so that an unwritten element shows."""
-    from flashqla.kernels.hopper import launch
-    from kernel_emulator import emulate_segment_gates
+def test_summary_walks_gate_statistics_match_their_emulation(threshold, poisoned_outputs, monkeypatch):
+    """The summary launch that computes its walks' gate statistics itself (chunk_states.py `gate_statistics`,
+    `launch.summaries_from_gates`): exact and active element for element equal to the fp32 emulation the CPU
+    suite runs, with rows of 1 to 100 chunks (two rounds of 64 chunk sums), GQA 2 -> 8, a g = 0 head, a strongly
+    decaying one and every flag bit; S* and M bitwise equal to the same walks asked for by `active`, at every V
+    tile. Outputs poisoned first (`poisoned_outputs`: NaN, -7) so that an unwritten element shows."""
+    from flashqla.kernels.hopper import launch, prepare
+    from kernel_emulator import emulate_gate_statistics
 
-    gen = torch.Generator(device="cuda").manual_seed(13)
     lengths = [1, 63, 64, 65, 64 * 40 + 7, 64 * 100, 200, 64 * 32]
-    Hv, T = 40, sum(lengths)
-    g = -torch.rand(Hv, T, generator=gen, device="cuda") * torch.rand(Hv, 1, generator=gen, device="cuda") * 0.5
-    g[:4] = 0.0
-    g[4:8] *= 40
-    cu = torch.tensor([0] + lengths, device="cuda").cumsum(0).int()
-    gcum = torch.empty_like(g)  # chunk-local cumulative sums, as wy_inverse stores them
-    bounds = cu.tolist()
-    for start, end in zip(bounds[:-1], bounds[1:]):
-        for t0 in range(start, end, 64):
-            gcum[:, t0:min(t0 + 64, end)] = g[:, t0:min(t0 + 64, end)].cumsum(-1)
-    rows = len(lengths)
+    call = make_call(lengths, 2, 8, seed=31)
+    x = prepare(*[call[n] for n in ("q", "k", "v", "g", "beta")], call["cu_seqlens"])
+    rows, Hv = len(lengths), 8
+    gen = torch.Generator(device="cuda").manual_seed(17)
     flags = torch.randint(0, 32, (rows,), generator=gen, device="cuda", dtype=torch.int32)
-    exact = torch.full((rows, Hv), float("nan"), device="cuda")
-    active = torch.full((2, rows, Hv), -7, dtype=torch.int32, device="cuda")
-    launch.compiled_segment_gates()(gcum, cu, flags, exact, active, threshold)
     want_exact, want_active = torch.empty(rows, Hv), torch.empty(2, rows, Hv, dtype=torch.int32)
-    emulate_segment_gates(gcum.cpu(), cu.cpu(), flags.cpu(), want_exact, want_active, threshold)
-    assert torch.equal(exact.cpu(), want_exact) and torch.equal(active.cpu(), want_active)
+    emulate_gate_statistics(x.gcum.cpu(), x.cu.cpu(), flags.cpu(), want_exact, want_active, threshold)
     if threshold > float("-inf"):  # the inputs exercise both outcomes
-        assert (want_active[0] > 1).any() and (want_exact[1:] == 1).any()
+        assert (want_active[0] > 1).any() and (want_exact[1:] == 1).any() and (want_exact[1:] == 0).any()
+    for block_v in launch.BLOCK_V_CHOICES:
+        monkeypatch.setattr(launch, "summary_block_v", lambda *_, bv=block_v: bv)
+        S_star, M, exact, active = launch.summaries_from_gates(x, flags, threshold)
+        assert torch.equal(exact.cpu(), want_exact) and torch.equal(active.cpu(), want_active), block_v
+        want_S, want_M = launch.summaries(x, True, want_active.cuda())
+        assert torch.equal(S_star, want_S) and torch.equal(M, want_M), block_v
 
 
 def test_summary_walks_match_the_float64_recurrence_from_their_start(poisoned_outputs, monkeypatch):

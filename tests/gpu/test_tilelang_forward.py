@@ -60,14 +60,17 @@ def make_call(lengths, Hqk, Hv, dtype=torch.bfloat16, with_h0=True, batch=None, 
 
 @pytest.fixture
 def poisoned_outputs(monkeypatch):
-    """torch.empty returns NaN-filled floating tensors while the kernels run."""
+    """torch.empty returns poisoned tensors while the kernels run: NaN-filled floating ones, integer ones
+    filled with -7 (no index, count or flag a kernel writes is negative)."""
     real_empty = torch.empty
 
-    def empty_nan(*args, **kwargs):
+    def poisoned(*args, **kwargs):
         x = real_empty(*args, **kwargs)
-        return x.fill_(float("nan")) if x.is_floating_point() else x
+        if x.dtype == torch.bool:
+            return x
+        return x.fill_(float("nan")) if x.is_floating_point() else x.fill_(-7)
 
-    monkeypatch.setattr(torch, "empty", empty_nan)
+    monkeypatch.setattr(torch, "empty", poisoned)
 
 
 def run_kernels(call, scale=D ** -0.5, fused=True):
