@@ -12,8 +12,8 @@ Forward: `wy_inverse` (GA = Gamma o A and the chunk-local cumsum of g, per chunk
 `fused_fwd` (one walk computing the outputs too); or, split (`fused=False`), `chunk_states` (the serial
 state walk per sequence, v-head and V tile) and `chunk_output` (all chunks at once). The segmented forward
 (flashqla/cp/segments.py) adds the summary walks (`chunk_states` without per-chunk stores, computing
-intra-card CP's gate statistics first) and `segment_chain`. Backward (`chunk_gdn_bwd`, backward.py): from the forward's kept GA, gates and
-fp32 beta (`KeptInverse`; `wy_inverse` again when it kept none), `fused_fwd`'s state walk (the
+intra-card CP's gate statistics first) and `segment_chain`. Backward (`chunk_gdn_bwd`, backward.py): from the
+forward's kept GA, gates and fp32 beta (`KeptInverse`; `wy_inverse` again when it kept none), `fused_fwd`'s state walk (the
 state entering every chunk) beside the reverse walk `chunk_dstates`, then `chunk_bwd_local` (every chunk's
 gradients at once) and `gqa_sum`. Intra-card and inter-card CP
 (flashqla/cp) compose the same pieces: prepare, walk, summaries, fold_segments, output, state_gradients,

@@ -145,7 +145,8 @@ def build_chunk_states(dtype: str, block_v: int):
     @T.macro
     def gate_statistics(gcum, flags, exact, active, threshold, bos, eos, num_chunks, n, h, bv, num_seqs, num_v_heads,
                         back_sh, stats_sh):
-        """Intra-card CP's gate statistics of row n and v-head h (design doc §4), with G(c) the gates of chunk c summed (gcum at its last token),
+        """Intra-card CP's gate statistics of row n and v-head h (design doc §4), with G(c) the gates of chunk c
+        summed (gcum at its last token),
 
             warm      = some c with G(c) + G(c + 1) + ... + G(last chunk) < threshold
             walk_from = 1 + the last such c (1 where not warm: the whole row)
