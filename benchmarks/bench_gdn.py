@@ -1,7 +1,8 @@
 """Forward GDN chunked prefill on one GPU: flashqla (TileLang) vs FLA (Triton) vs FlashQLA, one process.
 
 Each implementation is warmed up (compiles), captured once in a CUDA graph and replayed; the time is the
-median over --reps replays measured with CUDA events (eager when a peer syncs with the host). Columns:
+median over --reps replays measured with CUDA events (eager when a peer syncs with the host), taken in rounds
+that visit every implementation of a config in turn (`interleaved_medians_ms`, since 2026-12-07). Columns:
 flashqla split and fused kernels (CP off), the public op with AutoCP, a forced segment-length sweep
 (--cp-sweep), FLA's Triton path (no intra-card CP), FlashQLA with auto_cp off and on. Inputs are model-like (q, k L2-normalised, beta = sigmoid(randn),
 g = -A softplus(x + 1) with A ~ U(0.01, 16), a quarter of the heads at g = 0), bf16, K = V = 128.
@@ -79,16 +80,18 @@ def as_int64(cu):
     return cu.long()
 
 
+def event_ms(run) -> float:
+    """One call of `run` between two CUDA events, waited for."""
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    run()
+    stop.record()
+    stop.synchronize()
+    return start.elapsed_time(stop)
+
+
 def eager_median_ms(fn, reps):
-    times = []
-    for _ in range(reps):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        stop.record()
-        stop.synchronize()
-        times.append(start.elapsed_time(stop))
-    return statistics.median(times)
+    return statistics.median(event_ms(fn) for _ in range(reps))
 
 
 def captured_graph(fn) -> torch.cuda.CUDAGraph:
@@ -108,19 +111,37 @@ def captured_graph(fn) -> torch.cuda.CUDAGraph:
     return graph
 
 
+ROUNDS = 5  # interleaved timing rounds per config (interleaved_medians_ms)
+
+
+def interleaved_medians_ms(fns: dict, reps: int, rounds: int = ROUNDS):
+    """(medians, eager): the median ms of each of `fns` (name -> zero-argument call) over `reps` timed calls, CUDA-graph
+    replays (eager calls where the capture fails: `eager` maps those names to the reason), taken in `rounds` rounds
+    that visit every implementation in turn, so that none is always timed right after another's heavier replays.
+    Timed one after the other, the AutoCP forward at TP8 1 x 32K took 0.253 ms after the config's 0.75-1.3 ms CP-off
+    graphs and 0.244 ms timed alone on the same H100 (docs/kernels.md, "Sixty-first session")."""
+    runners, eager = {}, {}
+    for name, fn in fns.items():
+        try:
+            runners[name] = captured_graph(fn).replay
+        except Exception as exc:  # an implementation that syncs with the host cannot be captured
+            torch.cuda.synchronize()
+            runners[name], eager[name] = fn, f"{exc.__class__.__name__}: {str(exc)[:80]}"
+        for _ in range(10):
+            runners[name]()
+    times = {name: [] for name in runners}
+    per_round = -(-reps // rounds)
+    for _ in range(rounds):
+        for name, run in runners.items():
+            times[name].extend(event_ms(run) for _ in range(per_round))
+    return {name: statistics.median(t) for name, t in times.items()}, eager
+
+
 def graph_median_ms(fn, reps):
     graph = captured_graph(fn)
     for _ in range(10):
         graph.replay()
-    times = []
-    for _ in range(reps):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        stop.record()
-        stop.synchronize()
-        times.append(start.elapsed_time(stop))
-    return statistics.median(times)
+    return statistics.median(event_ms(graph.replay) for _ in range(reps))
 
 
 def impl_flashqla(fused=False):
@@ -231,7 +252,7 @@ def write_report(path, rows, vers, notes, peaks):
         f"# Forward benchmark ({vers.get('gpu', 'GPU')})", "",
         f"Date: {datetime.date.today()}; {', '.join(f'{k} {v}' for k, v in vers.items())}.", "",
         "bf16, K = V = 128, forward only, CUDA graph replay where the implementation can be captured, median of "
-        f"the replays (benchmarks/bench_gdn.py). Floors (benchmarks/floors.py): inputs + output once at "
+        f"the replays, taken in {ROUNDS} rounds over a config's implementations in turn (benchmarks/bench_gdn.py). Floors (benchmarks/floors.py): inputs + output once at "
         f"{peaks.copy_bytes_per_s / 1e12:.2f} TB/s; chunked-form tensor-core FLOPs at "
         f"{peaks.bf16_flop_per_s / 1e12:.0f} TFLOP/s ({peaks.source}).", "",
         "flashqla = the split decomposition (wy_inverse, chunk_states, chunk_output; kept for comparison); "
@@ -351,6 +372,7 @@ def main():
         seq_label = sequences_label(seqs)
         row = dict(index=i, name=name, Hqk=Hqk, Hv=Hv, seqs=seq_label, mem_us=mem_us, mma_us=mma_us,
                    L=planned_segment_chunks(Hv, seqs))
+        fns = {}
         for key in impls:
             row[key] = None
             if key not in loaded or (key.startswith("flash_qla") and i not in fq_idx):
@@ -360,18 +382,14 @@ def main():
                 loaded[key](*inputs)
                 torch.cuda.synchronize()
                 first = time.perf_counter() - start
-                fn = lambda: loaded[key](*inputs)  # noqa: E731
-                try:
-                    row[key] = graph_median_ms(fn, args.reps)
-                except Exception as exc:  # an implementation that syncs with the host cannot be captured
-                    torch.cuda.synchronize()
-                    row[key] = eager_median_ms(fn, args.reps)
-                    notes.append(f"- {key} on {name} {seq_label}: timed without CUDA graph "
-                                 f"({exc.__class__.__name__}: {str(exc)[:80]})")
+                fns[key] = functools.partial(loaded[key], *inputs)
                 if first > 5:
                     notes.append(f"- {key} first call on {name} {seq_label}: {first:.1f} s (JIT compile)")
             except Exception as exc:
                 notes.append(f"- {key} failed on {name} {seq_label}: {exc.__class__.__name__}: {str(exc)[:200]}")
+        medians, eager = interleaved_medians_ms(fns, args.reps)
+        row.update(medians)
+        notes.extend(f"- {key} on {name} {seq_label}: timed without CUDA graph ({why})" for key, why in eager.items())
         row["sweep"] = {}
         for L in sweep if len(seqs) <= 4 else ():
             try:

@@ -1,5 +1,6 @@
-"""benchmarks/bench_gdn.py's rows from earlier runs (no GPU): a device call cut short keeps the rows it
-measured (--rows-json), and the report of the remaining configs is made with them (--merge)."""
+"""benchmarks/bench_gdn.py without a GPU: rows from earlier runs (a device call cut short keeps the rows it
+measured, --rows-json, and the report of the remaining configs is made with them, --merge), the loading of the
+implementations, the floors, the chart and the interleaved timing rounds."""
 import json
 import sys
 from pathlib import Path
@@ -79,3 +80,37 @@ def test_sequences_label_names_equal_runs():
     assert bench_gdn.sequences_label([24576, 8192]) == "24576+8192"
     assert bench_gdn.sequences_label([20480] + [512] * 24) == "20480+512x24"
     assert bench_gdn.sequences_label([8192] * 2 + [1024] * 16 + [8192]) == "8192x2+1024x16+8192"
+
+
+def test_implementations_are_timed_in_interleaved_rounds_and_one_that_cannot_be_captured_eagerly(monkeypatch):
+    """interleaved_medians_ms (no GPU: the graph capture and the CUDA events faked): each round times every
+    implementation's share of the replays in turn, an implementation whose capture fails runs eagerly and is
+    named with the reason, and each median is over that implementation's own times only."""
+    ran = []  # the implementation each call ran
+
+    class Graph:
+        def replay(self):
+            ran.append("ours")
+
+    def captured(fn):
+        if fn() == "syncs":
+            raise RuntimeError("operation not permitted when stream is capturing")
+        return Graph()
+
+    clock = {"ours": iter([1.0, 3.0, 2.0, 9.0]), "peer": iter([5.0, 4.0, 6.0, 7.0])}
+    timed = []  # the implementation each timed call ran
+
+    def event_ms(run):
+        ran.clear()
+        run()
+        timed.append(ran[-1])
+        return next(clock[ran[-1]])
+
+    monkeypatch.setattr(bench_gdn, "captured_graph", captured)
+    monkeypatch.setattr(bench_gdn, "event_ms", event_ms)
+    monkeypatch.setattr(bench_gdn.torch.cuda, "synchronize", lambda: None)
+    fns = {"ours": lambda: "ours", "peer": lambda: ran.append("peer") or "syncs"}
+    medians, eager = bench_gdn.interleaved_medians_ms(fns, reps=4, rounds=2)
+    assert timed == ["ours", "ours", "peer", "peer", "ours", "ours", "peer", "peer"]
+    assert medians == {"ours": 2.5, "peer": 5.5}
+    assert list(eager) == ["peer"] and "stream is capturing" in eager["peer"]
