@@ -390,22 +390,20 @@ def _launch_walk(x: ChunkedCall, h0, store_chunks: bool, store_final: bool, with
     if gates is not None:
         flags, threshold, exact, active_arg = gates
         use_active = FROM_GATES
-    else:
-        flags, threshold = torch.zeros(1, dtype=torch.int32, device=device), 0.0  # placeholders
-        exact = torch.empty(1, dtype=torch.float32, device=device)
+    else:  # placeholders the kernel does not read (use_active 0 or 1; active's too where use_active is 0): no fill
+        placeholder = lambda dtype: torch.empty(1, dtype=dtype, device=device)  # noqa: E731
+        flags, exact, threshold = placeholder(torch.int32), placeholder(torch.float32), 0.0
         use_active = int(active is not None)
-        if active is None:
-            active_arg = torch.ones(1, dtype=torch.int32, device=device)  # a placeholder: use_active = 0
-        else:
-            active_arg = active.to(torch.int32).reshape(-1)
+        active_arg = placeholder(torch.int32) if active is None else active.to(torch.int32).reshape(-1)
     num_walks = N * (1 + with_transition)
     if store_chunks:
         block_v = block_v_on(device, num_walks, Hv)
     else:
         block_v = summary_block_v(num_walks * Hv, sm_count_on(device))
+    mt_arg = ht_arg if mt is None else mt.view(N * Hv, HEAD_DIM, HEAD_DIM)
     compiled_chunk_states(x.dtype, block_v)(
-        x.k, x.v, x.GA, x.beta, x.gcum, x.cu, x.offsets, h0_arg, h, vnew, ht_arg, ht_arg if mt is None else mt.view(N * Hv, HEAD_DIM, HEAD_DIM), active_arg,
-        flags, exact.view(-1), int(h0 is not None), int(store_final), int(store_chunks), int(with_transition), use_active,
+        x.k, x.v, x.GA, x.beta, x.gcum, x.cu, x.offsets, h0_arg, h, vnew, ht_arg, mt_arg, active_arg, flags,
+        exact.view(-1), int(h0 is not None), int(store_final), int(store_chunks), int(with_transition), use_active,
         float(threshold))
     return (h if store_chunks else None, vnew if store_chunks else None, ht, mt)
 
