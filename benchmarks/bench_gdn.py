@@ -252,7 +252,8 @@ def write_report(path, rows, vers, notes, peaks):
         f"# Forward benchmark ({vers.get('gpu', 'GPU')})", "",
         f"Date: {datetime.date.today()}; {', '.join(f'{k} {v}' for k, v in vers.items())}.", "",
         "bf16, K = V = 128, forward only, CUDA graph replay where the implementation can be captured, median of "
-        f"the replays, taken in {ROUNDS} rounds over a config's implementations in turn (benchmarks/bench_gdn.py). Floors (benchmarks/floors.py): inputs + output once at "
+        f"the replays, taken in {ROUNDS} rounds over a config's implementations in turn (benchmarks/bench_gdn.py). "
+        "Floors (benchmarks/floors.py): inputs + output once at "
         f"{peaks.copy_bytes_per_s / 1e12:.2f} TB/s; chunked-form tensor-core FLOPs at "
         f"{peaks.bf16_flop_per_s / 1e12:.0f} TFLOP/s ({peaks.source}).", "",
         "flashqla = the split decomposition (wy_inverse, chunk_states, chunk_output; kept for comparison); "

@@ -313,6 +313,14 @@ def emulate_gate_statistics(gcum, cu, flags, exact, active, threshold):
                 exact[j + 1, h] = float(has_next and not warm)
 
 
+def gate_statistics(gcum, cu, flags, threshold):
+    """(exact fp32 [rows, Hv], active int32 [2, rows, Hv]) of `emulate_gate_statistics`, on new CPU tensors."""
+    rows, heads = flags.numel(), gcum.shape[0]
+    exact, active = torch.empty(rows, heads), torch.empty(2, rows, heads, dtype=torch.int32)
+    emulate_gate_statistics(gcum.cpu(), cu.cpu(), flags.cpu(), exact, active, threshold)
+    return exact, active
+
+
 def install(monkeypatch):
     """Replace every compiled kernel (and the SM count query) of flashqla.kernels.hopper by the emulators."""
     from flashqla.kernels.hopper import backward, launch

@@ -212,16 +212,6 @@ def test_bad_cp_warmup(value, error):
         flashqla.chunk_gated_delta_rule(**args, cp_warmup=value)
 
 
-def gate_statistics(gcum, cu, flags, threshold):
-    """(exact, active) of the summary walks' gate statistics (chunk_states.py `gate_statistics`), emulated."""
-    from kernel_emulator import emulate_gate_statistics
-
-    exact = torch.empty(flags.numel(), gcum.shape[0], dtype=torch.float32)
-    active = torch.empty(2, flags.numel(), gcum.shape[0], dtype=torch.int32)
-    emulate_gate_statistics(gcum, cu, flags, exact, active, threshold)
-    return exact, active
-
-
 class TorchKernels:
     """Stands in for flashqla.kernels.hopper (prepare / walk / summaries / output) with the torch backend, so the
     kernel-path CP composition runs on the CPU: a walk from h0 is a whole-sequence forward, and the "per-chunk
@@ -270,6 +260,8 @@ class TorchKernels:
         return self._forward(x, x.v, scale, h, False)[0]
 
     def summaries_from_gates(self, x, flags, threshold):
+        from kernel_emulator import gate_statistics
+
         exact, active = gate_statistics(x.gcum, x.cu, flags, threshold)
         S_star, M = self.summaries(x, True, active)
         return S_star, M, exact, active
@@ -336,9 +328,11 @@ def test_tilelang_auto_rule_takes_longer_segments_on_a_gpu_with_fewer_sms():
 
 
 def test_warmup_restarts_at_the_last_chunk_from_which_the_gates_sum_below_the_threshold():
-    """The gate statistics (chunk_states.py `gate_statistics`, emulated): with every row flagged HAS_NEXT | INTO_EXACT,
-    active[0] is the row's walk_from and active[1] whether it is not warm, the exact mask of the next row."""
+    """The gate statistics (chunk_states.py `gate_statistics`, emulated): with every row flagged
+    HAS_NEXT | INTO_EXACT, active[0] is the row's walk_from and active[1] whether it is not warm, the exact mask of
+    the next row."""
     from flashqla.kernels.hopper.launch import HAS_NEXT, INTO_EXACT
+    from kernel_emulator import gate_statistics
 
     lengths = (300, 1, 200, 64, 129)
     plan = plan_segments(tuple(random_cu_seqlens(lengths)[:-1].tolist()), lengths, 2)

@@ -431,8 +431,7 @@ def summaries_from_gates(x: ChunkedCall, flags, threshold: float):
     """(S*, M, exact fp32 [N, Hv], active int32 [2, N, Hv]) of intra-card CP's segments `x` in one launch whose
     walks compute their own gate statistics (chunk_states.py `gate_statistics`: which rows start from the exact
     chain and which walks run from which chunk, from the rows' `flags` and the warmup threshold, -inf: exact
-    everywhere) and run the S* and M walks those
-    ask for, from where they say."""
+    everywhere) and run the S* and M walks those ask for, from where they say."""
     N, Hv, device = x.num_seqs, x.num_v_heads, x.q.device
     exact = torch.empty(N, Hv, dtype=torch.float32, device=device)
     active = torch.empty(2, N, Hv, dtype=torch.int32, device=device)
