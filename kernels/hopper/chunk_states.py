@@ -144,7 +144,7 @@ def build_chunk_states(dtype: str, block_v: int):
 
     @T.macro
     def gate_statistics(gcum, flags, exact, active, threshold, bos, eos, num_chunks, n, h, bv, num_seqs, num_v_heads,
-                        back_sh, stats_sh):
+                        back_sh, walk_sh):
         """Intra-card CP's gate statistics of row n and v-head h (design doc §4), with G(c) the gates of chunk c
         summed (gcum at its last token),
 
@@ -155,7 +155,7 @@ def build_chunk_states(dtype: str, block_v: int):
         BACK chunk sums loaded at a time by the others. From the row's flags (launch.py's bits, set by
         `segments._gate_flags`), the walk this CTA runs: S* from chunk walk_from - 1 where the next row reads it
         (or FORCE_S), M where a chain multiplies it by a state that can be nonzero (FORCE_M, ALWAYS_M, or
-        INTO_EXACT on a row that does not warm up), left in stats_sh[2]. The first V tile's CTA also stores both
+        INTO_EXACT on a row that does not warm up), left in walk_sh[0]. The first V tile's CTA also stores both
         walks' `active` and exact[n + 1] = has_next and not warm (exact[0] = 0), which the chain reads."""
         tx = T.get_thread_binding()
         total = T.alloc_var("float32")
@@ -179,25 +179,20 @@ def build_chunk_states(dtype: str, block_v: int):
                             warm = 1
                             walk_from = num_chunks - r * BACK - p
             T.sync_threads()  # every sum read before the next round overwrites them
-        if tx == 0:
-            stats_sh[0] = warm
-            stats_sh[1] = walk_from
-        T.sync_threads()
-        row_flags = flags[n]
-        has_next = T.if_then_else(T.bitwise_and(row_flags, HAS_NEXT) != 0, 1, 0)
-        is_warm = stats_sh[0]
-        from_s = T.if_then_else(T.bitwise_and(row_flags, FORCE_S) != 0, 1, has_next * stats_sh[1])
-        from_m = T.if_then_else(T.bitwise_and(row_flags, FORCE_M | ALWAYS_M) != 0
-                                or (T.bitwise_and(row_flags, INTO_EXACT) != 0 and is_warm == 0), 1, 0)
-        if tx == 0:
-            stats_sh[2] = T.if_then_else(bv < D // BV, from_s, from_m)
-        if bv == 0 and tx == 0:
-            active[n * num_v_heads + h] = from_s
-            active[(num_seqs + n) * num_v_heads + h] = from_m
-            if n + 1 < num_seqs:
-                exact[(n + 1) * num_v_heads + h] = T.if_then_else(has_next == 1 and is_warm == 0, 1.0, 0.0)
-            if n == 0:
-                exact[h] = 0.0
+        if tx == 0:  # warm and walk_from are thread 0's alone: it decides, the others read walk_sh[0]
+            row_flags = flags[n]
+            has_next = T.if_then_else(T.bitwise_and(row_flags, HAS_NEXT) != 0, 1, 0)
+            from_s = T.if_then_else(T.bitwise_and(row_flags, FORCE_S) != 0, 1, has_next * walk_from)
+            from_m = T.if_then_else(T.bitwise_and(row_flags, FORCE_M | ALWAYS_M) != 0
+                                    or (T.bitwise_and(row_flags, INTO_EXACT) != 0 and warm == 0), 1, 0)
+            walk_sh[0] = T.if_then_else(bv < D // BV, from_s, from_m)
+            if bv == 0:
+                active[n * num_v_heads + h] = from_s
+                active[(num_seqs + n) * num_v_heads + h] = from_m
+                if n + 1 < num_seqs:
+                    exact[(n + 1) * num_v_heads + h] = T.if_then_else(has_next == 1 and warm == 0, 1.0, 0.0)
+                if n == 0:
+                    exact[h] = 0.0
         T.sync_threads()
 
     @T.prim_func
@@ -236,7 +231,7 @@ def build_chunk_states(dtype: str, block_v: int):
             v0 = (bv % (D // BV)) * BV
             state_row = n * num_v_heads + h
             back_sh = T.alloc_shared((BACK,), "float32")  # chunk sums of the row, BACK at a time from its end
-            stats_sh = T.alloc_shared((3,), "int32")  # warm, walk_from, this CTA's walk
+            walk_sh = T.alloc_shared((1,), "int32")  # this CTA's walk, decided by gate_statistics
             num_chunks = T.alloc_var("int32")
             first_chunk = T.alloc_var("int32")  # the walk runs chunks first_chunk .. num_chunks - 1
             skipped = T.alloc_var("int32")
@@ -247,9 +242,9 @@ def build_chunk_states(dtype: str, block_v: int):
             walk_active = 1
             if use_active == FROM_GATES:
                 gate_statistics(gcum, flags, exact, active, threshold, bos, eos, num_chunks, n, h, bv, num_seqs,
-                                num_v_heads, back_sh, stats_sh)
-                walk_active = stats_sh[2]
-                T.sync_threads()  # read by every thread before S_sh, laid over stats_sh, is stored
+                                num_v_heads, back_sh, walk_sh)
+                walk_active = walk_sh[0]
+                T.sync_threads()  # read by every thread before S_sh, laid over walk_sh, is stored
             elif use_active != 0:
                 walk_active = active[((bv // (D // BV)) * num_seqs + n) * num_v_heads + h]
             if use_active != 0:
