@@ -9,18 +9,27 @@ out=$(realpath -m "${1:-.devkernels}")
 python=${PYTHON:-.venv/bin/python}
 export TILELANG_CACHE_DIR=${TILELANG_CACHE_DIR:-$PWD/.tilelang_cache}
 work=$(mktemp -d)
+# The precompile runs on a hard-linked copy of the cache without flashqla's index (kernels/cache.py), so the index
+# it writes holds only the records of the kernels as they are now: the cache's own index keeps every record
+# written since it was made (each kernel source change adds a set: 1,500 records, 28 MB, by the sixty-fourth
+# session), and a record of other sources never matches a lookup.
+scratch=$(mktemp -d)
+trap 'rm -rf "$work" "$scratch"' EXIT
+mkdir -p "$TILELANG_CACHE_DIR"
+cp -al "$TILELANG_CACHE_DIR/." "$scratch/"
+rm -rf "$scratch"/*/*/flashqla-index
 # precompile prints one "<kernel>\t<compiled|cached>\t<time>\t<entry>" line per kernel on stdout
-$python -m flashqla precompile --dtypes "${DTYPES:-bf16,fp16}" --no-progress 2>/dev/null | cut -f4 | while read -r entry; do
-  relative=${entry#"$TILELANG_CACHE_DIR"/}
+TILELANG_CACHE_DIR=$scratch $python -m flashqla precompile --dtypes "${DTYPES:-bf16,fp16}" --no-progress 2>/dev/null |
+  cut -f4 | while read -r entry; do
+  relative=${entry#"$scratch"/}
   mkdir -p "$work/$(dirname "$relative")"
   cp -r "$entry" "$work/$relative"
 done
-# flashqla's cache index (kernels/cache.py): the records that let a process load without building
-for index in "$TILELANG_CACHE_DIR"/*/*/flashqla-index; do
-  relative=${index#"$TILELANG_CACHE_DIR"/}
+for index in "$scratch"/*/*/flashqla-index; do
+  relative=${index#"$scratch"/}
   mkdir -p "$work/$relative" && cp "$index"/*.json.gz "$work/$relative/"
 done
+cp -an "$scratch/." "$TILELANG_CACHE_DIR/"  # what this run compiled, and its index records, kept for the next
 mkdir -p "$out"
 tar cf - -C "$work" . | xz -T2 -6 > "$out/kernels.tar.xz"
 echo "$(find "$work" -mindepth 4 -maxdepth 4 -type d | wc -l) kernels -> $out/kernels.tar.xz ($(du -h "$out/kernels.tar.xz" | cut -f1))"
-rm -rf "$work"
