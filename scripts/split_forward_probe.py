@@ -12,32 +12,18 @@ idle (docs/kernels.md, "Sixty-fifth session").
 import os
 import sys
 
-import torch
-
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "..", "benchmarks"))
 
 from ab_kernel import graph_time_us, record_launch  # noqa: E402
 from bench_gdn import make_inputs  # noqa: E402
+from flashqla.kernels.hopper.backward import side_by_side  # noqa: E402
 
 # the builds each kernel may be launched with (the first one the split forward launched is timed)
 BUILDS = (("wy_inverse", [("bfloat16", shared_k, copy_beta) for shared_k in (True, False) for copy_beta in (True, False)]),
           ("chunk_states", [("bfloat16", block_v) for block_v in (32, 64, 128)]),
           ("chunk_output", [("bfloat16",)]))
-
-
-def side_by_side(first, second):
-    """first() on the current stream and second() on another, joined: one graph replay runs them concurrently."""
-    side = torch.cuda.Stream()
-
-    def run():
-        side.wait_stream(torch.cuda.current_stream())
-        first()
-        with torch.cuda.stream(side):
-            second()
-        torch.cuda.current_stream().wait_stream(side)
-    return run
 
 
 def probe(hqk, hv, tokens):
@@ -60,7 +46,8 @@ def probe(hqk, hv, tokens):
             break
     walk, output = recorded["chunk_states"], recorded["chunk_output"]
     line.append(f"walk then output {graph_time_us(lambda: (walk(), output())):.1f}")
-    line.append(f"side by side {graph_time_us(side_by_side(walk, output)):.1f}")
+    both = lambda: side_by_side(q.device, lambda: (output(),), walk)  # noqa: E731
+    line.append(f"side by side {graph_time_us(both):.1f}")
     return "; ".join(line)
 
 

@@ -33,7 +33,7 @@ def test_the_probe_finds_and_times_every_launch_of_the_split_forward(monkeypatch
 
     monkeypatch.setattr(probe, "graph_time_us", time_once)
     monkeypatch.setattr(probe, "make_inputs", lambda hqk, hv, lengths: cpu_inputs(hqk, hv, lengths))
-    monkeypatch.setattr(probe, "side_by_side", lambda first, second: lambda: (first(), second()))
+    monkeypatch.setattr(probe, "side_by_side", lambda device, side, main: (side(), main()))  # no streams here
     line = probe.probe(hqk, hv, tokens)
     for piece in ("fused", "split", "wy_inverse", "chunk_states", "chunk_output", "walk then output", "side by side"):
         assert piece in line
